@@ -1,0 +1,36 @@
+"""Generalized Advantage Estimation (Schulman et al. 2016) as the textbook backward scan.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t
+    A_t     = delta_t + gamma * lam * A_{t+1}
+    R_t     = A_t + V_t                        (the critic's regression target)
+
+Shapes: B rollouts, T response tokens. `mask` is 1 on valid response tokens, a prefix of each row.
+Past the last valid token the episode is over: V_{t+1} is 0 there (terminal, the response ended
+with EOS) or `bootstrap_value` (truncated by the length limit: the state is not terminal, so its
+estimated value stands in for the rewards that were never sampled). No whitening here: the trainer
+does that behind a flag, so it can be ablated.
+"""
+import torch
+
+
+def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95, bootstrap_value=None):
+    """rewards, values, mask: (B, T) float; bootstrap_value: (B,) or None.
+    Returns advantages, returns: (B, T), both 0 on padding."""
+    B, T = rewards.shape
+    mask = mask.to(rewards.dtype)
+    # value of the state after the last valid token: V_T where the row fills the window
+    nextvalues = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # (B,)
+    if bootstrap_value is not None:
+        nextvalues = bootstrap_value.to(rewards.dtype)
+    lastgaelam = torch.zeros_like(nextvalues)  # (B,)
+    advantages = torch.zeros_like(rewards)  # (B, T)
+    for t in reversed(range(T)):
+        valid = mask[:, t]  # (B,)
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]  # (B,)
+        lastgaelam = (delta + gamma * lam * lastgaelam) * valid  # (B,): 0 on padding
+        advantages[:, t] = lastgaelam
+        # on padding keep carrying the bootstrap value back to the last valid token;
+        # on valid tokens V_t becomes the next step's V_{t+1}
+        nextvalues = torch.where(valid.bool(), values[:, t], nextvalues)  # (B,)
+    returns = (advantages + values) * mask  # (B, T)
+    return advantages, returns
