@@ -1,0 +1,548 @@
+"""PPO for language models with a critic, in one file: read it top to bottom, fork it, ablate a line.
+
+    python ppo.py                                  # the built-in toy world, CPU, a few minutes
+    python ppo.py --model PATH --reward-model PATH # your HF causal LM and scalar reward model
+
+One update (the numbered phases in `main` and in the README):
+  1. sample B prompts and generate one response each at temperature T
+  2. cut each response after its first EOS; the mask keeps the EOS
+  3. no-grad passes: old log-probs (policy), reference log-probs, values (critic), score (RM)
+  4. per-token reward: -beta * KL_t on every token, plus the score on the last real token
+  5. GAE (gae.py)
+  6. whiten the advantages over valid tokens
+  7. K epochs x minibatches x micro-batches of the clipped policy loss and the clipped value loss
+  8. health check: before the first step the importance ratio must be exactly 1
+  9. log, save
+
+Four models: policy (trained), reference (frozen copy of the initial policy), reward model
+(sequence classifier with one output, frozen), critic (trained; starts from the reward model as in
+InstructGPT and the N+ reproduction, since it already maps text to a scalar).
+
+Choices worth knowing (each one broke a real trainer somewhere):
+- Every log-prob (old, reference, new) is taken from logits / T, in fp32: the sampler drew from
+  softmax(logits / T), so that is the distribution whose ratio PPO clips.
+- Dropout is switched off in all four models, and position ids are computed from the attention mask,
+  so that the rollout pass and the training pass see the same function (phase 8 checks this).
+- Masks come from the response lengths, never from `token != pad`, and the score is added on the
+  last real token (the EOS, or the last token of a response cut by the length limit). TRL and the
+  N+ code add it one slot after the EOS; on the EOS is equivalent through the bootstrap and cleaner.
+- A response cut by the length limit is not finished: by default its score is replaced by
+  `--missing-eos-penalty` (N+); `--bootstrap-truncated` instead bootstraps from the critic's value
+  of the state after the cut, which is the textbook treatment of a truncated episode.
+- Losses are summed over tokens and divided by the number of valid tokens in the whole minibatch,
+  so splitting a minibatch into micro-batches does not change the gradient.
+- The value loss clips around the values stored at rollout time, not around the current
+  prediction (a no-op) nor the previous epoch's.
+- top-p / top-k sampling is refused: the trainer would score tokens outside the sampled support,
+  and the importance ratio is unbounded there.
+- With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
+  clipping and Adam's epsilon; it is kept so runs compare with the N+ recipe line by line.
+
+Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded), T response tokens
+(right-padded after the EOS), V vocabulary.
+"""
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from tqdm import tqdm
+import transformers
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
+
+from gae import compute_gae
+
+
+@dataclass
+class Args:
+    # run
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment; a copy `ppo_idea.py` logs under its own name"""
+    seed: int = 1
+    """seed of python, numpy and torch (the prompt order and the sampler)"""
+    run_name: Optional[str] = None
+    """outputs go to runs/<run_name>/ (default: <exp_name>__<seed>__<unix time>)"""
+    track: bool = False
+    """mirror metrics and sample tables to Weights & Biases (WANDB_MODE=offline works offline)"""
+    wandb_project: str = "ppo-llm"
+    """the wandb project"""
+    sample_every: int = 10
+    """write a few (prompt, response, score) rows every this many updates (0 = never)"""
+
+    # models
+    model: str = "toy"
+    """policy checkpoint (HF causal LM path), or `toy` for the built-in world of toy.py"""
+    reward_model: Optional[str] = None
+    """reward model checkpoint (HF sequence classifier, one label); `toy` brings its own"""
+    critic_init: Literal["reward", "policy"] = "reward"
+    """start the critic from the reward model (InstructGPT, N+) or the policy with a fresh head"""
+
+    # rollout
+    total_episodes: int = 64 * 100
+    """prompts to train on in all (updates = total_episodes // batch_size)"""
+    batch_size: int = 64
+    """rollouts per update"""
+    response_length: int = 24
+    """the most tokens generated per response"""
+    temperature: float = 0.7
+    """sampling temperature; every log-prob is taken at this temperature (N+: 0.7)"""
+    top_p: float = 1.0
+    """nucleus sampling; only 1.0 is supported (see the docstring)"""
+    top_k: int = 0
+    """top-k sampling, 0 = off; only 0 is supported (see the docstring)"""
+
+    # reward
+    kl_coef: float = 0.05
+    """beta, the per-token KL penalty in the reward (N+: 0.05; InstructGPT: 0.02)"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """k1 = log p - log p_ref (unbiased); k3 = (r - 1) - log r, r = p_ref / p (non-negative, lower variance)"""
+    kl_target: Optional[float] = None
+    """adaptive KL controller of Ziegler et al. 2019: the KL per response to aim at (None = fixed beta)"""
+    kl_horizon: int = 10000
+    """horizon of the adaptive controller, in episodes"""
+    missing_eos_penalty: Optional[float] = -1.0
+    """score given instead of the reward model's to a response without EOS (N+: -1; None = off)"""
+    bootstrap_truncated: bool = False
+    """bootstrap a response without EOS from the critic's value at the cut, instead of scoring it"""
+    whiten_rewards: bool = False
+    """scale per-token rewards to unit variance, mean kept (off in N+)"""
+
+    # advantages
+    gamma: float = 1.0
+    """discount; 1 for bounded responses"""
+    lam: float = 0.95
+    """GAE lambda (N+: 0.95)"""
+    whiten_advantages: bool = True
+    """normalise advantages to mean 0, std 1 over valid tokens"""
+
+    # PPO update
+    num_ppo_epochs: int = 4
+    """K, passes over each rollout batch (N+: 4)"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch; a minibatch is batch_size / num_minibatches rollouts"""
+    micro_batch_size: int = 64
+    """rollouts per forward/backward (memory only: gradients are accumulated to the minibatch)"""
+    clip_eps: float = 0.2
+    """policy ratio clip (N+: 0.2)"""
+    value_clip_eps: Optional[float] = 0.2
+    """value clip around the rollout-time values (N+: 0.2; None = no value clipping)"""
+    vf_coef: float = 0.1
+    """value loss coefficient (N+: 0.1)"""
+    ent_coef: float = 0.0
+    """entropy bonus coefficient (0 = off)"""
+    learning_rate: float = 3e-4
+    """actor AdamW learning rate; fits the 130K-parameter toy (N+ uses 3e-6 on 1B-6.9B models)"""
+    critic_learning_rate: float = 1e-3
+    """critic AdamW learning rate (OpenRLHF uses 9e-6 with actor 1e-6 on real models)"""
+    max_grad_norm: float = 1.0
+    """clip each model's gradient norm to this (0 = off)"""
+    anneal_lr: bool = True
+    """decay both learning rates linearly to 0 over the run"""
+    ratio_check_tol: float = 1e-3
+    """phase 8: the largest |ratio - 1| allowed before the first step (fp32; bf16 needs about 5e-2)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# small pure helpers: tensors in, tensors out
+
+
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_var(x, mask):
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    return ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)  # unbiased (Bessel)
+
+
+def masked_whiten(x, mask, shift_mean=True):
+    """Mean 0 (unless shift_mean=False: the sign of a score survives), std 1, over valid entries."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask  # padding stays exactly 0
+
+
+def response_lengths(responses, eos_token_id):
+    """Valid tokens per row: up to and including the first EOS, or all T when there is none."""
+    T = responses.shape[1]
+    is_eos = responses == eos_token_id  # (B, T)
+    first_eos = is_eos.int().argmax(1)  # (B,): 0 when there is no EOS, hence the where below
+    return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator):
+    """Per-token KL(pi || pi_ref) estimate from samples of pi (http://joschu.net/blog/kl-approx.html)."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs  # (B, T): unbiased, can be negative per token
+    log_r = ref_logprobs - logprobs  # (B, T): log(p_ref / p)
+    return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
+
+
+def per_token_rewards(kl, scores, lengths, kl_coef):
+    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
+    the EOS, or the last token of a response cut by the length limit. Never on padding."""
+    non_score_reward = -kl_coef * kl  # (B, T)
+    rewards = non_score_reward.clone()  # (B, T)
+    rewards[torch.arange(len(rewards)), lengths - 1] += scores
+    return rewards, non_score_reward
+
+
+def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
+    """Log-prob of `tokens` under softmax(logits / T), by gather and logsumexp (no (b, T, V) log-softmax copy)."""
+    logits = logits.float() / temperature  # (b, T, V) fp32
+    lse = torch.logsumexp(logits, -1)  # (b, T)
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse  # (b, T)
+    if not with_entropy:
+        return logprobs, None
+    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # (b, T): H = lse - E[logit]
+    return logprobs, entropy
+
+
+def disable_dropout(model):
+    """Dropout off for good: nn.Dropout modules and the float `attention_dropout` HF attention reads."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model.eval()
+
+
+class ValueModel(nn.Module):
+    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
+    one position). A module of its own so that a sharded root forward can call the head."""
+
+    def __init__(self, seq_cls):
+        super().__init__()
+        self.seq_cls = seq_cls
+
+    def forward(self, input_ids, attention_mask, position_ids, **kw):
+        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state  # (b, P+T, H)
+        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
+
+
+def forward(model, query_responses, attention_mask, **kw):
+    """Positions count real tokens only: with left padding, token i of a prompt sits at position i."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)
+    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False, **kw)
+
+
+def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False):
+    """Log-probs (and entropies) of the response tokens, positions P..P+T-1."""
+    T = query_responses.shape[1] - P
+    logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits  # (b, T+1, V)
+    return logprobs_from_logits(logits[:, :-1], query_responses[:, P:], temperature, with_entropy)
+
+
+def state_values(value_model, query_responses, attention_mask, P):
+    """V of each state from the one before response token 0 to the one after the last: (b, T+1).
+    Column t is the value before response token t; column `length` the value after the last one."""
+    return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps):
+    """Clipped surrogate, summed over valid tokens: max(-A r, -A clip(r)) is min(A r, A clip(r)) negated."""
+    logratio = new_logprobs - old_logprobs  # (b, t)
+    ratio = torch.exp(logratio)  # (b, t), fp32
+    pg_losses = -advantages * ratio  # (b, t)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)  # (b, t)
+    loss = (torch.max(pg_losses, pg_losses2) * mask).sum()
+    clipped = (pg_losses2 > pg_losses).float() * mask  # (b, t): tokens whose gradient the clip removed
+    return loss, ratio, logratio, clipped
+
+
+def value_loss(new_values, old_values, returns, mask, value_clip_eps):
+    """Squared error, or the larger of it and the error of the value clipped around the rollout-time
+    value (never around the current prediction: that would be a no-op)."""
+    vf_losses = (new_values - returns) ** 2  # (b, t)
+    vf_losses2 = vf_losses
+    if value_clip_eps is not None:
+        v_clipped = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)  # (b, t)
+        vf_losses2 = (v_clipped - returns) ** 2  # (b, t)
+    loss = 0.5 * (torch.max(vf_losses, vf_losses2) * mask).sum()
+    return loss, (vf_losses2 > vf_losses).float() * mask
+
+
+def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
+    """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed and
+    divided by the valid tokens of the whole minibatch, so the split does not change the gradient."""
+    mask = rollout["mask"]
+    mb_tokens = mask[mb_idx].sum()
+    stats = dict(pg_loss=0.0, vf_loss=0.0, approxkl=0.0, pg_clip=0.0, vf_clip=0.0, ratio=0.0, tokens=0.0)
+    for start in range(0, len(mb_idx), args.micro_batch_size):
+        idx = mb_idx[start: start + args.micro_batch_size]  # (b,)
+        t = int(rollout["lengths"][idx].max())  # trim to the longest response of this micro-batch
+        qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
+        am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
+        mc_mask = mask[idx, :t]  # (b, t)
+        new_logprobs, new_entropy = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0)
+        new_values = state_values(critic, qr, am, P)[:, :t]  # (b, t)
+        pg_loss, ratio, logratio, pg_clipped = policy_loss(
+            new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t], mc_mask, args.clip_eps)
+        vf_loss, vf_clipped = value_loss(
+            new_values, rollout["values"][idx, :t], rollout["returns"][idx, :t], mc_mask, args.value_clip_eps)
+        loss = pg_loss + args.vf_coef * vf_loss
+        if args.ent_coef > 0:
+            loss = loss - args.ent_coef * (new_entropy * mc_mask).sum()
+        (loss / mb_tokens).backward()
+        with torch.no_grad():
+            if start == 0:
+                stats["first_ratio_dev"] = ((ratio - 1).abs() * mc_mask).max().item()
+            for k, v in (("pg_loss", pg_loss), ("vf_loss", vf_loss), ("pg_clip", pg_clipped.sum()),
+                         ("vf_clip", vf_clipped.sum()), ("approxkl", 0.5 * (logratio ** 2 * mc_mask).sum()),
+                         ("ratio", (ratio * mc_mask).sum()), ("tokens", mc_mask.sum())):
+                stats[k] += v.item()
+    return stats
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def fail(msg):
+    """A one-line error for the user: what is wrong and what to do, exit status 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args):
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join("runs", run_name)
+    if args.top_p != 1.0 or args.top_k != 0:
+        fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
+             "(unbounded ratios); use temperature only")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 (got {args.temperature}): log-probs are taken from logits / T")
+    if args.bootstrap_truncated and args.missing_eos_penalty is not None:
+        fail("--bootstrap-truncated replaces the missing-EOS penalty: also pass --missing-eos-penalty None")
+    if args.batch_size % (args.num_minibatches * args.micro_batch_size) != 0:
+        fail(f"--batch-size {args.batch_size} must split into --num-minibatches {args.num_minibatches} "
+             f"x micro-batches of --micro-batch-size {args.micro_batch_size}")
+    num_updates = args.total_episodes // args.batch_size
+    if num_updates < 1:
+        fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
+    seed_everything(args.seed)
+    transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # models and prompts
+    gold = None
+    if args.model == "toy":
+        import toy
+        policy_path, reward_path = toy.build_world()
+        reward_path = args.reward_model or reward_path
+        prompts, gold = toy.prompts(2048, seed=1234), toy.gold
+    else:
+        policy_path, reward_path = args.model, args.reward_model
+        if reward_path is None:
+            fail("--reward-model is required with --model (a sequence classifier with one label)")
+        import toy  # until a prompt dataset flag exists, real models see the toy prompts
+        prompts = toy.prompts(2048, seed=1234)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        fail("the tokenizer needs a pad token distinct from EOS (a `!= pad` mask would hide the EOS)")
+    policy = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path)).to(device)
+    ref_policy = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path)).to(device)
+    reward_model = ValueModel(disable_dropout(
+        AutoModelForSequenceClassification.from_pretrained(reward_path, num_labels=1))).to(device)
+    critic_path = reward_path if args.critic_init == "reward" else policy_path  # policy: fresh head
+    critic = ValueModel(disable_dropout(
+        AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1))).to(device)
+    for frozen in (ref_policy, reward_model):
+        frozen.requires_grad_(False)
+    # a clean generation config: a checkpoint's own may carry top-k 20, repetition penalties...
+    policy.generation_config = GenerationConfig(
+        do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+    actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, eps=1e-5)
+    decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in (actor_opt, critic_opt)]
+    kl_coef = args.kl_coef
+
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    if args.track:
+        import wandb
+        wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir)
+    print(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts -> {run_dir}/")
+    mb_rows, micro = args.batch_size // args.num_minibatches, args.micro_batch_size
+    bar = tqdm(range(1, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True)
+    for update in bar:
+        t0 = time.perf_counter()
+        # 1. sample prompts (each pass over the prompt set in a fresh order) and generate
+        start = (update - 1) * args.batch_size
+        order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(len(prompts))
+                                for k in range(start // len(prompts), (start + args.batch_size - 1) // len(prompts) + 1)])
+        offset = start - (start // len(prompts)) * len(prompts)
+        batch_prompts = [prompts[i] for i in order[offset: offset + args.batch_size]]
+        enc = tokenizer(batch_prompts, return_tensors="pt", padding=True).to(device)
+        queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
+        P = queries.shape[1]
+        with torch.no_grad():
+            query_responses = policy.generate(input_ids=queries, attention_mask=query_mask)  # (B, P+T)
+
+        # 2. cut after the first EOS: the mask keeps the EOS, everything after it is padding
+        responses = query_responses[:, P:]  # (B, T), T <= response_length
+        lengths = response_lengths(responses, tokenizer.eos_token_id)  # (B,)
+        has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,): False = cut by the length limit
+        T = int(lengths.max())
+        responses = responses[:, :T]  # (B, T): drop columns that are padding in every row
+        mask = (torch.arange(T, device=device) < lengths[:, None]).float()  # (B, T)
+        responses = responses.masked_fill(mask == 0, tokenizer.pad_token_id)  # (B, T)
+        query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
+        attention_mask = torch.cat([query_mask, mask.long()], 1)  # (B, P+T)
+
+        # 3. no-grad passes in micro-batches, each trimmed to its longest response
+        logprobs = torch.zeros(len(queries), T, device=device)  # (B, T)
+        ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
+        values_all = torch.zeros(len(queries), T + 1, device=device)  # (B, T+1)
+        score_all = torch.zeros_like(values_all)  # (B, T+1)
+        with torch.no_grad():
+            for i in range(0, len(queries), micro):
+                rows = slice(i, i + micro)
+                t = int(lengths[rows].max())
+                qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
+                logprobs[rows, :t], entropy[rows, :t] = policy_logprobs(policy, qr, am, P, args.temperature, True)
+                ref_logprobs[rows, :t], _ = policy_logprobs(ref_policy, qr, am, P, args.temperature)
+                values_all[rows, :t + 1] = state_values(critic, qr, am, P)
+                score_all[rows, :t + 1] = state_values(reward_model, qr, am, P)
+        scores = score_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): RM read at the last real token
+        values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
+        next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
+
+        # 4. per-token rewards: KL penalty everywhere, the score on the last real token
+        bootstrap_value = None
+        if args.missing_eos_penalty is not None:
+            scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,): truncated -> penalty
+        if args.bootstrap_truncated:
+            scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
+            bootstrap_value = torch.where(has_eos, 0.0, next_values)  # (B,): ...their future is estimated
+        kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
+        rewards, non_score_reward = per_token_rewards(kl, scores, lengths, kl_coef)  # (B, T) each
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+
+        # 5. GAE
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)
+
+        # 6. whiten advantages over valid tokens only (padding re-zeroed inside)
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        t_rollout = time.perf_counter() - t0
+
+        # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
+        t1 = time.perf_counter()
+        rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
+                       logprobs=logprobs, values=values, advantages=advantages, returns=returns)
+        stats, epoch_clipfrac, ratio_at_start = {}, [], None
+        for epoch in range(args.num_ppo_epochs):
+            perm = torch.randperm(len(queries), device=device)  # (B,)
+            epoch_stats = {}
+            for mb_start in range(0, len(queries), mb_rows):
+                mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args)
+                first_ratio_dev = mb_stats.pop("first_ratio_dev")
+                if ratio_at_start is None:  # first micro-batch, before any optimizer step of this update
+                    ratio_at_start = first_ratio_dev
+                for model, opt in ((policy, actor_opt), (critic, critic_opt)):
+                    if args.max_grad_norm > 0:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                for k, v in mb_stats.items():
+                    epoch_stats[k] = epoch_stats.get(k, 0.0) + v
+            epoch_clipfrac.append(epoch_stats["pg_clip"] / epoch_stats["tokens"])
+            for k, v in epoch_stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+        for sched in schedulers:
+            sched.step()
+        if args.kl_target is not None:  # adaptive KL (Ziegler et al. 2019), fed the KL per response
+            error = float(np.clip(kl.sum(1).mean().item() / args.kl_target - 1, -0.2, 0.2))
+            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
+        t_update = time.perf_counter() - t1
+
+        # 8. health check: new and old log-probs came from the same weights before the first step
+        if ratio_at_start > args.ratio_check_tol:
+            fail(f"update {update}: |ratio - 1| = {ratio_at_start:.2e} before any step (tolerance "
+                 f"{args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
+                 "padding or position ids differ, temperature differs, or the generator's weights are stale")
+
+        # 9. log, save
+        n = stats["tokens"]
+        response_texts = [tokenizer.decode(r[: int(l)]) for r, l in zip(responses, lengths)]
+        var_returns = masked_var(returns, mask)
+        row = {
+            "step": update, "episode": update * args.batch_size,
+            "objective/scores": scores.mean().item(),
+            "objective/kl": kl.sum(1).mean().item(),
+            "objective/kl_coef": kl_coef,
+            "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+            "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
+            "objective/entropy": masked_mean(entropy, mask).item(),
+            "ppo/policy/approxkl_avg": stats["approxkl"] / n,
+            "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
+            "ppo/policy/clipfrac_epoch1": epoch_clipfrac[0],
+            "ppo/policy/ratio_at_start": ratio_at_start,
+            "ppo/loss/policy_avg": stats["pg_loss"] / n,
+            "ppo/loss/value_avg": stats["vf_loss"] / n,
+            "ppo/val/clipfrac_avg": stats["vf_clip"] / n,
+            "ppo/val/ratio": stats["ratio"] / n,
+            "ppo/val/explained_variance": (1 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-8)).item(),
+            "ppo/val/eos_rate": has_eos.float().mean().item(),
+            "ppo/val/response_length": lengths.float().mean().item(),
+            "lr/actor": schedulers[0].get_last_lr()[0],
+            "time/rollout_s": t_rollout, "time/update_s": t_update,
+        }
+        if gold is not None:
+            row["objective/gold"] = float(np.mean([gold(text) for text in response_texts]))
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
+        tqdm.write(f"update {update:4d}  score {row['objective/scores']:+.3f}  kl {row['objective/kl']:.3f}  "
+                   + (f"gold {row['objective/gold']:.3f}  " if gold else "")
+                   + f"clipfrac {row['ppo/policy/clipfrac_avg']:.3f}  len {row['ppo/val/response_length']:.1f}  "
+                   f"{t_rollout + t_update:.2f}s")
+        samples = []
+        if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
+            samples = [{"step": update, "prompt": p, "response": r, "score": s}
+                       for p, r, s in list(zip(batch_prompts, response_texts, scores.tolist()))[:4]]
+            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+        if args.track:
+            wandb.log(row, step=update)
+            if samples:
+                wandb.log({"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}, step=update)
+
+    policy.save_pretrained(os.path.join(run_dir, "policy"))
+    tokenizer.save_pretrained(os.path.join(run_dir, "policy"))
+    critic.seq_cls.save_pretrained(os.path.join(run_dir, "critic"))
+    metrics_file.close()
+    if args.track:
+        wandb.finish()
+    print(f"saved policy and critic to {run_dir}/")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

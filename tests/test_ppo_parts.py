@@ -1,0 +1,140 @@
+"""The pieces of ppo.py on hand-made tensors and on the real toy models."""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import ppo
+
+EOS, PAD = 1, 0
+
+
+def test_lengths_mask_and_reward_on_eos():
+    responses = torch.tensor([[7, 8, EOS, PAD, PAD],   # [t0, t1, eos, pad, pad]
+                              [7, 8, 9, 10, 11],       # no EOS: cut by the length limit
+                              [EOS, 5, EOS, 6, 7]])    # only the first EOS counts
+    lengths = ppo.response_lengths(responses, EOS)
+    assert lengths.tolist() == [3, 5, 1]
+    mask = (torch.arange(5) < lengths[:, None]).float()
+    kl = torch.full((3, 5), 0.5) * mask
+    rewards, non_score = ppo.per_token_rewards(kl, torch.tensor([2.0, -1.0, 3.0]), lengths, kl_coef=0.1)
+    torch.testing.assert_close(rewards[0], torch.tensor([-0.05, -0.05, 1.95, 0.0, 0.0]))  # score on the EOS
+    torch.testing.assert_close(rewards[1], torch.tensor([-0.05, -0.05, -0.05, -0.05, -1.05]))  # on the last token
+    torch.testing.assert_close(rewards[2], torch.tensor([2.95, 0.0, 0.0, 0.0, 0.0]))
+    assert (non_score * (1 - mask) == 0).all()
+
+
+def test_kl_estimators_on_known_values():
+    logp = torch.log(torch.tensor([0.5, 0.25]))
+    ref = torch.log(torch.tensor([0.25, 0.5]))
+    torch.testing.assert_close(ppo.kl_penalty(logp, ref, "k1"), torch.tensor([math.log(2), -math.log(2)]))
+    # k3 = (r - 1) - log r with r = p_ref / p: r = 0.5 -> 0.5 - 1 + log 2; r = 2 -> 1 - log 2
+    torch.testing.assert_close(ppo.kl_penalty(logp, ref, "k3"),
+                               torch.tensor([math.log(2) - 0.5, 1 - math.log(2)]))
+    assert ppo.kl_penalty(ref, ref, "k3").abs().max() == 0
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_policy_clip_zeroes_the_gradient_on_the_right_side(sign):
+    old = torch.zeros(1, 4)
+    # ratios 0.5, 0.9, 1.1, 1.5 with eps 0.2: the first and last lie outside the clip range
+    new = torch.log(torch.tensor([[0.5, 0.9, 1.1, 1.5]])).requires_grad_()
+    adv = torch.full((1, 4), sign)
+    loss, ratio, _, clipped = ppo.policy_loss(new, old, adv, torch.ones(1, 4), clip_eps=0.2)
+    loss.backward()
+    g = new.grad[0]
+    assert g[1] != 0 and g[2] != 0  # inside the range: always a gradient
+    if sign > 0:  # A > 0: pushing the ratio up is capped at 1 + eps, pushing it up from below is not
+        assert g[3] == 0 and g[0] != 0
+        assert clipped[0].tolist() == [0, 0, 0, 1]
+    else:  # A < 0: pushing the ratio down is capped at 1 - eps
+        assert g[0] == 0 and g[3] != 0
+        assert clipped[0].tolist() == [1, 0, 0, 0]
+
+
+def test_value_clip_is_anchored_on_rollout_values():
+    old = torch.tensor([[0.0, 0.0]])
+    returns = torch.tensor([[1.0, 1.0]])
+    new = torch.tensor([[0.5, 0.1]], requires_grad=True)  # the first moved 0.5 from the rollout value
+    loss, clipped = ppo.value_loss(new, old, returns, torch.ones(1, 2), value_clip_eps=0.2)
+    loss.backward()
+    # first: clipped value 0.2 has the larger error (0.64 > 0.25): the max takes it and its gradient is 0
+    assert clipped[0].tolist() == [1.0, 0.0]
+    assert new.grad[0, 0] == 0 and new.grad[0, 1] != 0
+    torch.testing.assert_close(loss, 0.5 * torch.tensor(0.64 + 0.81))
+    loss_off, clipped_off = ppo.value_loss(new, old, returns, torch.ones(1, 2), value_clip_eps=None)
+    torch.testing.assert_close(loss_off, 0.5 * torch.tensor(0.25 + 0.81))
+    assert clipped_off.sum() == 0
+
+
+def test_masked_whiten_ignores_padding():
+    x = torch.tensor([[1.0, 2.0, 3.0, 50.0], [4.0, 5.0, -40.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    w = ppo.masked_whiten(x, mask)
+    valid = w[mask.bool()]
+    assert abs(valid.mean()) < 1e-6 and abs(valid.std() - 1) < 1e-4
+    assert (w[~mask.bool()] == 0).all()
+    kept = ppo.masked_whiten(x, mask, shift_mean=False)
+    assert abs(kept[mask.bool()].mean() - 3.0) < 1e-5  # mean of the valid entries survives
+
+
+def test_disable_dropout_makes_forward_deterministic(world):
+    policy_path, _ = world
+    model = AutoModelForCausalLM.from_pretrained(policy_path, attention_dropout=0.5).train()
+    x = torch.randint(4, 40, (2, 8))
+    assert not torch.equal(model(x).logits, model(x).logits)  # dropout really is on
+    ppo.disable_dropout(model).train()
+    assert torch.equal(model(x).logits, model(x).logits)
+
+
+def rollout_batch(world, B=32, T=0.7, seed=0):
+    """A real rollout from the toy policy at temperature T, laid out as ppo.main lays it out."""
+    import toy
+    policy_path, reward_path = world
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path))
+    critic = ppo.ValueModel(ppo.disable_dropout(AutoModelForSequenceClassification.from_pretrained(reward_path)))
+    enc = tok(toy.prompts(B, seed=seed), return_tensors="pt", padding=True)
+    P = enc.input_ids.shape[1]
+    with torch.no_grad():
+        out = policy.generate(**enc, do_sample=True, temperature=T, top_k=0, top_p=1.0, max_new_tokens=12,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    responses = out[:, P:]
+    lengths = ppo.response_lengths(responses, tok.eos_token_id)
+    Tr = int(lengths.max())
+    mask = (torch.arange(Tr) < lengths[:, None]).float()
+    responses = responses[:, :Tr].masked_fill(mask == 0, tok.pad_token_id)
+    qr = torch.cat([enc.input_ids, responses], 1)
+    am = torch.cat([enc.attention_mask, mask.long()], 1)
+    with torch.no_grad():
+        logprobs, _ = ppo.policy_logprobs(policy, qr, am, P, T)
+        values = ppo.state_values(critic, qr, am, P)[:, :Tr] * mask
+    g = torch.Generator().manual_seed(seed)
+    rollout = dict(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=logprobs,
+                   values=values, advantages=torch.randn(B, Tr, generator=g) * mask,
+                   returns=torch.randn(B, Tr, generator=g) * mask)
+    return policy, critic, rollout, P
+
+
+def test_ratio_is_one_on_a_real_rollout(world):
+    policy, critic, rollout, P = rollout_batch(world)
+    assert (rollout["lengths"] > 1).any() and (rollout["lengths"] < rollout["mask"].shape[1]).any()
+    args = ppo.Args(micro_batch_size=8)
+    stats = ppo.minibatch_backward(policy, critic, rollout, torch.randperm(32), P, args)
+    assert stats["first_ratio_dev"] < 1e-5
+    assert stats["approxkl"] / stats["tokens"] < 1e-10
+    assert abs(stats["ratio"] / stats["tokens"] - 1) < 1e-6
+
+
+def test_micro_batches_leave_the_gradient_unchanged(world):
+    grads = []
+    for micro in (32, 16, 8):
+        policy, critic, rollout, P = rollout_batch(world)
+        args = ppo.Args(micro_batch_size=micro, ent_coef=0.01)
+        ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
+        grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
+    assert grads[0].abs().max() > 0
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=0)
