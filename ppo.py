@@ -35,6 +35,10 @@ Choices worth knowing (each one broke a real trainer somewhere):
   prediction (a no-op) nor the previous epoch's.
 - top-p / top-k sampling is refused: the trainer would score tokens outside the sampled support,
   and the importance ratio is unbounded there.
+- Resume is exact: a checkpoint holds the weights, both optimizers and schedulers, the KL
+  coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
+  from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
+  run in the prompt stream; nothing here draws from numpy's global generator.
 - With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
   clipping and Adam's epsilon; it is kept so runs compare with the N+ recipe line by line.
 
@@ -42,8 +46,11 @@ Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded
 (right-padded after the EOS), V vocabulary.
 """
 import json
+import math
 import os
 import random
+import re
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -55,7 +62,7 @@ import torch.nn as nn
 import tyro
 from tqdm import tqdm
 import transformers
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 
 from gae import compute_gae
@@ -76,6 +83,16 @@ class Args:
     """the wandb project"""
     sample_every: int = 10
     """write a few (prompt, response, score) rows every this many updates (0 = never)"""
+    save_every: int = 25
+    """write a resumable checkpoint every this many updates (0 = only the final models)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: Optional[str] = None
+    """a checkpoint folder to continue from, or `auto`: the newest whole one of --run-name"""
+    max_nonfinite_steps: int = 3
+    """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
+    debug: bool = False
+    """show Python tracebacks instead of one-line errors"""
 
     # models
     model: str = "toy"
@@ -84,6 +101,8 @@ class Args:
     """reward model checkpoint (HF sequence classifier, one label); `toy` brings its own"""
     critic_init: Literal["reward", "policy"] = "reward"
     """start the critic from the reward model (InstructGPT, N+) or the policy with a fresh head"""
+    trust_remote_code: bool = False
+    """let checkpoints run their own Python code (only for checkpoints you trust)"""
 
     # rollout
     total_episodes: int = 64 * 100
@@ -98,6 +117,10 @@ class Args:
     """nucleus sampling; only 1.0 is supported (see the docstring)"""
     top_k: int = 0
     """top-k sampling, 0 = off; only 0 is supported (see the docstring)"""
+    max_prompt_length: int = 128
+    """the most prompt tokens"""
+    truncate_prompts: bool = False
+    """cut longer prompts to their last --max-prompt-length tokens (and count them) instead of refusing"""
 
     # reward
     kl_coef: float = 0.05
@@ -315,10 +338,65 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+class UsageError(Exception):
+    """Bad input: printed as one line (what is wrong, what to do) with exit status 2."""
+
+
 def fail(msg):
-    """A one-line error for the user: what is wrong and what to do, exit status 2."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    raise UsageError(msg)
+
+
+def load_model(cls, path, flag, args, **kw):
+    """An HF checkpoint as `cls` (safetensors only, no remote code unless asked), dropout off;
+    or a one-line error saying why it cannot be."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path!r} cannot be loaded: {str(e).strip().splitlines()[0]}")
+    archs = config.architectures or []
+    if cls is AutoModelForCausalLM and archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        fail(f"{flag} {path!r} is a {archs[0]}, not a causal language model")
+    if flag == "--reward-model" and (not any(a.endswith("ForSequenceClassification") for a in archs)
+                                     or config.num_labels != 1):
+        fail(f"--reward-model {path!r} must be a sequence classifier with one output (num_labels=1); "
+             f"it is {archs[0] if archs else 'unknown'} with {config.num_labels} labels")
+    model = cls.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code, **kw)
+    return disable_dropout(model)
+
+
+def save_checkpoint(ckpt_root, step, policy, critic, tokenizer, state, keep):
+    """Write step_<step>/ under a temporary name and rename it into place: a kill at any moment
+    leaves every earlier checkpoint whole. Then keep only the newest `keep`."""
+    final = os.path.join(ckpt_root, f"step_{step}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for p in policy.parameters():
+        if not torch.isfinite(p).all():
+            fail(f"update {step}: the policy has non-finite weights; refusing to checkpoint them")
+    policy.save_pretrained(os.path.join(tmp, "policy"))
+    tokenizer.save_pretrained(os.path.join(tmp, "policy"))
+    critic.seq_cls.save_pretrained(os.path.join(tmp, "critic"))
+    torch.save(state, os.path.join(tmp, "state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    for old in list_checkpoints(ckpt_root)[:-keep]:
+        shutil.rmtree(old)
+
+
+def list_checkpoints(ckpt_root):
+    """Whole checkpoints (renamed into place), oldest first."""
+    if not os.path.isdir(ckpt_root):
+        return []
+    steps = sorted(int(d[5:]) for d in os.listdir(ckpt_root) if re.fullmatch(r"step_\d+", d))
+    return [os.path.join(ckpt_root, f"step_{k}") for k in steps]
+
+
+def truncate_jsonl(path, last_step):
+    """Drop rows written after the checkpoint we resume from, so no row is lost or doubled."""
+    if os.path.exists(path):
+        rows = [line for line in open(path) if json.loads(line)["step"] <= last_step]
+        with open(path, "w") as f:
+            f.writelines(rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +410,10 @@ def main(args: Args):
              "(unbounded ratios); use temperature only")
     if args.temperature <= 0:
         fail(f"--temperature must be > 0 (got {args.temperature}): log-probs are taken from logits / T")
+    if args.response_length <= 0 or args.max_prompt_length <= 0:
+        fail("--response-length and --max-prompt-length must be positive")
+    if args.kl_coef < 0:
+        fail(f"--kl-coef must be >= 0 (got {args.kl_coef}): a negative coefficient rewards leaving the reference")
     if args.bootstrap_truncated and args.missing_eos_penalty is not None:
         fail("--bootstrap-truncated replaces the missing-EOS penalty: also pass --missing-eos-penalty None")
     if args.batch_size % (args.num_minibatches * args.micro_batch_size) != 0:
@@ -340,9 +422,22 @@ def main(args: Args):
     num_updates = args.total_episodes // args.batch_size
     if num_updates < 1:
         fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
+    if args.resume == "auto" and args.run_name is None:
+        fail("--resume auto needs the --run-name of the run to continue")
     seed_everything(args.seed)
     transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # checkpoint to resume from: the policy and critic weights come from it, the rest from state.pt
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    resume_dir = args.resume
+    if resume_dir == "auto":
+        resume_dir = (list_checkpoints(ckpt_root) or [None])[-1]
+        print(f"--resume auto: {resume_dir or 'no checkpoint yet, starting fresh'}")
+    if resume_dir is not None and not os.path.exists(os.path.join(resume_dir, "state.pt")):
+        fail(f"--resume {resume_dir!r} is not a checkpoint folder (no state.pt): pass runs/<run>/checkpoints/step_<k>")
+    if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
 
     # models and prompts
     gold = None
@@ -357,16 +452,23 @@ def main(args: Args):
             fail("--reward-model is required with --model (a sequence classifier with one label)")
         import toy  # until a prompt dataset flag exists, real models see the toy prompts
         prompts = toy.prompts(2048, seed=1234)
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    policy = load_model(AutoModelForCausalLM, resume_dir and os.path.join(resume_dir, "policy") or policy_path, "--model", args)
+    ref_policy = load_model(AutoModelForCausalLM, policy_path, "--model", args)
+    reward_model = ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
+    critic_path = reward_path if args.critic_init == "reward" else policy_path  # policy: a fresh scalar head
+    critic = ValueModel(load_model(AutoModelForSequenceClassification,
+                                   resume_dir and os.path.join(resume_dir, "critic") or critic_path, "--model", args,
+                                   num_labels=1))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(resume_dir, "policy") if resume_dir else policy_path,
+                                              padding_side="left", trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        fail("the tokenizer needs a pad token distinct from EOS (a `!= pad` mask would hide the EOS)")
-    policy = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path)).to(device)
-    ref_policy = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path)).to(device)
-    reward_model = ValueModel(disable_dropout(
-        AutoModelForSequenceClassification.from_pretrained(reward_path, num_labels=1))).to(device)
-    critic_path = reward_path if args.critic_init == "reward" else policy_path  # policy: fresh head
-    critic = ValueModel(disable_dropout(
-        AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1))).to(device)
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a pad that is not EOS (DESIGN: padding)
+        print(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
+              f"(id {tokenizer.pad_token_id}) and resized the embeddings")
+    for model in (policy, ref_policy, reward_model.seq_cls, critic.seq_cls):
+        if model.get_input_embeddings().num_embeddings < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+    policy, ref_policy, reward_model, critic = (m.to(device) for m in (policy, ref_policy, reward_model, critic))
     for frozen in (ref_policy, reward_model):
         frozen.requires_grad_(False)
     # a clean generation config: a checkpoint's own may carry top-k 20, repetition penalties...
@@ -374,11 +476,35 @@ def main(args: Args):
         do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
+    if not prompts:
+        fail("the prompt set is empty")
+    prompt_ids = tokenizer(prompts).input_ids  # tokenized once
+    too_long = sum(len(p) > args.max_prompt_length for p in prompt_ids)
+    if too_long and not args.truncate_prompts:
+        fail(f"{too_long} of {len(prompts)} prompts are longer than --max-prompt-length {args.max_prompt_length} "
+             "tokens: raise it, or pass --truncate-prompts to keep their last tokens")
+    if too_long:
+        print(f"truncated {too_long} of {len(prompts)} prompts to their last {args.max_prompt_length} tokens")
+        prompt_ids = [p[-args.max_prompt_length:] for p in prompt_ids]
+
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, eps=1e-5)
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in (actor_opt, critic_opt)]
-    kl_coef = args.kl_coef
+    kl_coef, first_update, nonfinite_streak = args.kl_coef, 1, 0
+    if resume_dir is not None:
+        state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)
+        actor_opt.load_state_dict(state["actor_opt"])
+        critic_opt.load_state_dict(state["critic_opt"])
+        for sched, sd in zip(schedulers, state["schedulers"]):
+            sched.load_state_dict(sd)
+        kl_coef, first_update = state["kl_coef"], state["step"] + 1
+        random.setstate((state["python_rng"][0], tuple(state["python_rng"][1]), state["python_rng"][2]))
+        torch.set_rng_state(state["torch_rng"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+    for name in ("metrics.jsonl", "samples.jsonl"):  # resuming: keep the rows up to the checkpoint
+        truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
 
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -386,10 +512,12 @@ def main(args: Args):
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
     if args.track:
         import wandb
-        wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir)
+        wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir,
+                   id=re.sub(r"[^\w-]", "-", run_name), resume="allow")
     print(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts -> {run_dir}/")
     mb_rows, micro = args.batch_size // args.num_minibatches, args.micro_batch_size
-    bar = tqdm(range(1, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True)
+    bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
+               initial=first_update - 1, total=num_updates)
     for update in bar:
         t0 = time.perf_counter()
         # 1. sample prompts (each pass over the prompt set in a fresh order) and generate
@@ -397,8 +525,9 @@ def main(args: Args):
         order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(len(prompts))
                                 for k in range(start // len(prompts), (start + args.batch_size - 1) // len(prompts) + 1)])
         offset = start - (start // len(prompts)) * len(prompts)
-        batch_prompts = [prompts[i] for i in order[offset: offset + args.batch_size]]
-        enc = tokenizer(batch_prompts, return_tensors="pt", padding=True).to(device)
+        batch_idx = order[offset: offset + args.batch_size]
+        batch_prompts = [prompts[i] for i in batch_idx]
+        enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in batch_idx]}, return_tensors="pt").to(device)
         queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
         P = queries.shape[1]
         with torch.no_grad():
@@ -457,7 +586,7 @@ def main(args: Args):
         t1 = time.perf_counter()
         rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
                        logprobs=logprobs, values=values, advantages=advantages, returns=returns)
-        stats, epoch_clipfrac, ratio_at_start = {}, [], None
+        stats, epoch_clipfrac, ratio_at_start, skipped_steps = {}, [], None, 0
         for epoch in range(args.num_ppo_epochs):
             perm = torch.randperm(len(queries), device=device)  # (B,)
             epoch_stats = {}
@@ -466,10 +595,17 @@ def main(args: Args):
                 first_ratio_dev = mb_stats.pop("first_ratio_dev")
                 if ratio_at_start is None:  # first micro-batch, before any optimizer step of this update
                     ratio_at_start = first_ratio_dev
-                for model, opt in ((policy, actor_opt), (critic, critic_opt)):
-                    if args.max_grad_norm > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    opt.step()
+                grad_norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm or math.inf).item()
+                              for m in (policy, critic)]  # max_norm inf: measure, do not clip
+                finite = all(map(math.isfinite, grad_norms + [mb_stats["pg_loss"], mb_stats["vf_loss"]]))
+                nonfinite_streak = 0 if finite else nonfinite_streak + 1
+                skipped_steps += not finite
+                if nonfinite_streak >= args.max_nonfinite_steps:
+                    fail(f"update {update}: {nonfinite_streak} optimizer steps in a row had a non-finite loss or "
+                         "gradient; lower the learning rates, check the reward for inf/NaN, or use fp32")
+                for opt in (actor_opt, critic_opt):
+                    if finite:  # a non-finite step is skipped, never applied
+                        opt.step()
                     opt.zero_grad(set_to_none=True)
                 for k, v in mb_stats.items():
                     epoch_stats[k] = epoch_stats.get(k, 0.0) + v
@@ -513,6 +649,7 @@ def main(args: Args):
             "ppo/val/eos_rate": has_eos.float().mean().item(),
             "ppo/val/response_length": lengths.float().mean().item(),
             "lr/actor": schedulers[0].get_last_lr()[0],
+            "ppo/skipped_steps": skipped_steps,
             "time/rollout_s": t_rollout, "time/update_s": t_update,
         }
         if gold is not None:
@@ -530,6 +667,11 @@ def main(args: Args):
                        for p, r, s in list(zip(batch_prompts, response_texts, scores.tolist()))[:4]]
             with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
+        if args.save_every and update % args.save_every == 0:
+            save_checkpoint(ckpt_root, update, policy, critic, tokenizer, keep=args.keep_checkpoints, state=dict(
+                step=update, kl_coef=kl_coef, actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
+                schedulers=[sch.state_dict() for sch in schedulers], python_rng=random.getstate(),
+                torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
         if args.track:
             wandb.log(row, step=update)
             if samples:
@@ -545,4 +687,11 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    args = tyro.cli(Args)
+    try:
+        main(args)
+    except UsageError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -3,6 +3,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ KEYS = ["step", "episode", "objective/scores", "objective/kl", "objective/non_sc
 
 
 def run(*flags, env=None):
+    shutil.rmtree(f"runs/{flags[1]}", ignore_errors=True)  # flags start with --run-name NAME
     return subprocess.run([sys.executable, "ppo.py", *flags], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
 
@@ -47,16 +49,6 @@ def test_wandb_offline(world, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     found = [f for _, _, files in os.walk("runs/test_wandb") for f in files if f.endswith(".wandb")]
     assert found, "no offline wandb run file written"
-
-
-def test_bad_flags_exit_2_with_one_line(world):
-    for flags, text in ((["--temperature", "0"], "temperature must be > 0"),
-                        (["--top-p", "0.9"], "top-p"),
-                        (["--batch-size", "64", "--micro-batch-size", "48"], "must split"),
-                        (["--bootstrap-truncated"], "missing-eos-penalty")):
-        out = run("--run-name", "test_bad", *flags)
-        assert out.returncode == 2, (flags, out.stderr[-500:])
-        assert text in out.stderr and "Traceback" not in out.stderr
 
 
 def test_every_args_field_is_read():

@@ -1,0 +1,94 @@
+"""Every bad input gets one line that says what is wrong and what to do, exit status 2, no traceback."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+
+def run(*flags):
+    shutil.rmtree("runs/test_bad", ignore_errors=True)
+    return subprocess.run([sys.executable, "ppo.py", "--run-name", "test_bad", "--total-episodes", "64", *flags],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def odd_checkpoints(world, tmp_path_factory):
+    """A sequence classifier passed as a policy, and a reward model with two outputs."""
+    policy_path, reward_path = world
+    root = tmp_path_factory.mktemp("odd")
+    AutoModelForSequenceClassification.from_pretrained(reward_path).save_pretrained(root / "classifier")
+    two = AutoModelForSequenceClassification.from_pretrained(reward_path, num_labels=2, ignore_mismatched_sizes=True)
+    two.save_pretrained(root / "two_labels")
+    tok = AutoTokenizer.from_pretrained(policy_path)
+    for name in ("classifier", "two_labels"):
+        tok.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "no/such/dir", "--reward-model", "no/such/dir"], "--model 'no/such/dir' cannot be loaded"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--response-length", "0"], "--response-length and --max-prompt-length must be positive"),
+    (["--kl-coef", "-0.1"], "--kl-coef must be >= 0"),
+    (["--batch-size", "64", "--micro-batch-size", "48"], "must split into --num-minibatches"),
+    (["--top-p", "0.9"], "--top-p/--top-k make the sampled support differ"),
+    (["--bootstrap-truncated"], "also pass --missing-eos-penalty None"),
+    (["--max-prompt-length", "4"], "longer than --max-prompt-length 4 tokens"),
+    (["--total-episodes", "10"], "less than one batch"),
+    (["--resume", "runs/nowhere"], "is not a checkpoint folder"),
+])
+def test_bad_flag(world, flags, message):
+    out = run(*flags)
+    assert out.returncode == 2, out.stderr[-1000:]
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_policy_that_is_not_a_causal_lm(odd_checkpoints, world):
+    out = run("--model", str(odd_checkpoints / "classifier"), "--reward-model", world[1])
+    assert out.returncode == 2 and "is a LlamaForSequenceClassification, not a causal language model" in out.stderr
+
+
+def test_reward_model_without_one_scalar(odd_checkpoints):
+    out = run("--reward-model", str(odd_checkpoints / "two_labels"))
+    assert out.returncode == 2 and "must be a sequence classifier with one output" in out.stderr
+    assert "with 2 labels" in out.stderr
+
+
+def test_debug_shows_the_traceback(world):
+    out = run("--temperature", "0", "--debug")
+    assert out.returncode != 0 and "Traceback" in out.stderr and "UsageError" in out.stderr
+
+
+def test_long_prompts_truncated_and_counted(world):
+    out = run("--max-prompt-length", "5", "--truncate-prompts")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "truncated" in out.stdout and "prompts to their last 5 tokens" in out.stdout
+
+
+def test_tokenizer_without_pad_is_given_one(world, tmp_path):
+    policy_path, reward_path = world
+    for src, name in ((policy_path, "policy"), (reward_path, "reward")):
+        cls = AutoModelForCausalLM if name == "policy" else AutoModelForSequenceClassification
+        cls.from_pretrained(src).save_pretrained(tmp_path / name)
+        tok = AutoTokenizer.from_pretrained(src)
+        tok.pad_token = tok.eos_token  # pad == EOS, as many checkpoints ship
+        tok.save_pretrained(tmp_path / name)
+    out = run("--model", str(tmp_path / "policy"), "--reward-model", str(tmp_path / "reward"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("no pad token distinct from EOS") == 1
+    saved = AutoTokenizer.from_pretrained("runs/test_bad/policy")
+    assert saved.pad_token_id != saved.eos_token_id
+    assert AutoModelForCausalLM.from_pretrained("runs/test_bad/policy").get_input_embeddings().num_embeddings == len(saved)
+
+
+def test_run_name_already_used(world):
+    os.makedirs("runs/test_used", exist_ok=True)
+    open("runs/test_used/metrics.jsonl", "w").write('{"step": 1}\n')
+    out = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_used", "--total-episodes", "64"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "already holds a run: continue it with --resume auto" in out.stderr
+    assert open("runs/test_used/metrics.jsonl").read() == '{"step": 1}\n'  # nothing overwritten
