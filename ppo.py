@@ -2,6 +2,7 @@
 
     python ppo.py                                  # the built-in toy world, CPU, a few minutes
     python ppo.py --model PATH --reward-model PATH # your HF causal LM and scalar reward model
+    torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
 One update (the numbered phases in `main` and in the README):
   1. sample B prompts and generate one response each at temperature T
@@ -39,6 +40,9 @@ Choices worth knowing (each one broke a real trainer somewhere):
   coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
   from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
   run in the prompt stream; nothing here draws from numpy's global generator.
+- Under torchrun every statistic that defines the update is global (whitening, the loss divisor,
+  the adaptive-KL input, the metrics), so N ranks run the same algorithm as one process.
+  Not yet here: resume under torchrun, offloading the frozen models, activation checkpointing.
 - With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
   clipping and Adam's epsilon; it is kept so runs compare with the N+ recipe line by line.
 
@@ -50,6 +54,7 @@ import math
 import os
 import random
 import re
+import resource
 import shutil
 import sys
 import time
@@ -58,6 +63,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import tyro
 from tqdm import tqdm
@@ -151,8 +157,9 @@ class Args:
     """K, passes over each rollout batch (N+: 4)"""
     num_minibatches: int = 1
     """optimizer steps per epoch; a minibatch is batch_size / num_minibatches rollouts"""
-    micro_batch_size: int = 64
-    """rollouts per forward/backward (memory only: gradients are accumulated to the minibatch)"""
+    micro_batch_size: Optional[int] = None
+    """rollouts per forward/backward on one rank (memory only: gradients are accumulated to the
+    minibatch); None = a rank's whole share of the minibatch"""
     clip_eps: float = 0.2
     """policy ratio clip (N+: 0.2)"""
     value_clip_eps: Optional[float] = 0.2
@@ -177,14 +184,23 @@ class Args:
 # small pure helpers: tensors in, tensors out
 
 
+def global_sum(x):
+    """Sum of a tensor over all ranks (itself with one process): statistics that define the update
+    are global, or results would depend on the world size."""
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
 def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return global_sum((x * mask).sum()) / global_sum(mask.sum()).clamp(min=1)
 
 
 def masked_var(x, mask):
     mean = masked_mean(x, mask)
-    n = mask.sum()
-    return ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)  # unbiased (Bessel)
+    n = global_sum(mask.sum())
+    return global_sum(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)  # unbiased (Bessel)
 
 
 def masked_whiten(x, mask, shift_mean=True):
@@ -260,8 +276,9 @@ class ValueModel(nn.Module):
 def forward(model, query_responses, attention_mask, **kw):
     """Positions count real tokens only: with left padding, token i of a prompt sits at position i."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)
-    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
-                 use_cache=False, **kw)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=query_responses.is_cuda):  # fp32 weights, bf16 math
+        return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=False, **kw)
 
 
 def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False):
@@ -304,10 +321,12 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
     """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed and
     divided by the valid tokens of the whole minibatch, so the split does not change the gradient."""
     mask = rollout["mask"]
-    mb_tokens = mask[mb_idx].sum()
+    mb_tokens = global_sum(mask[mb_idx].sum())  # valid tokens of the minibatch on all ranks
+    world = dist.get_world_size() if dist.is_initialized() else 1  # FSDP averages gradients over ranks
     stats = dict(pg_loss=0.0, vf_loss=0.0, approxkl=0.0, pg_clip=0.0, vf_clip=0.0, ratio=0.0, tokens=0.0)
-    for start in range(0, len(mb_idx), args.micro_batch_size):
-        idx = mb_idx[start: start + args.micro_batch_size]  # (b,)
+    micro = args.micro_batch_size or len(mb_idx)
+    for start in range(0, len(mb_idx), micro):
+        idx = mb_idx[start: start + micro]  # (b,)
         t = int(rollout["lengths"][idx].max())  # trim to the longest response of this micro-batch
         qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
         am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
@@ -321,7 +340,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
         loss = pg_loss + args.vf_coef * vf_loss
         if args.ent_coef > 0:
             loss = loss - args.ent_coef * (new_entropy * mc_mask).sum()
-        (loss / mb_tokens).backward()
+        (loss * world / mb_tokens).backward()
         with torch.no_grad():
             if start == 0:
                 stats["first_ratio_dev"] = ((ratio - 1).abs() * mc_mask).max().item()
@@ -330,6 +349,36 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
                          ("ratio", (ratio * mc_mask).sum()), ("tokens", mc_mask.sum())):
                 stats[k] += v.item()
     return stats
+
+
+def optimizer_step(models, optimizers, max_grad_norm):
+    """Clip each model's gradient norm and step, unless a norm is not finite (then skip the step).
+    Returns whether it stepped and the norms."""
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm or math.inf) for m in models]
+    norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]  # FSDP2: DTensor
+    finite = all(map(math.isfinite, norms))
+    for opt in optimizers:
+        if finite:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return finite, norms
+
+
+def shard(model, no_split):
+    """FSDP2: each decoder layer, then the root (whose forward must be the one called)."""
+    from torch.distributed.fsdp import fully_shard
+    for m in model.modules():
+        if type(m).__name__ in no_split:
+            fully_shard(m)
+    return fully_shard(model)
+
+
+def full_state_dict(model):
+    """The whole state dict on every rank, on the CPU (FSDP2 keeps only a shard per rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    if not dist.is_initialized():
+        return None  # save_pretrained reads the module itself
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def seed_everything(seed):
@@ -403,8 +452,17 @@ def truncate_jsonl(path, last_step):
 
 
 def main(args: Args):
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    # torchrun starts one process per device; each generates and scores its slice of the batch
+    rank, world = 0, 1
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(run_name)  # rank 0's clock names the run
+    run_name = run_name[0]
     run_dir = os.path.join("runs", run_name)
+    log = print if rank == 0 else (lambda *a, **k: None)
     if args.top_p != 1.0 or args.top_k != 0:
         fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
              "(unbounded ratios); use temperature only")
@@ -416,24 +474,27 @@ def main(args: Args):
         fail(f"--kl-coef must be >= 0 (got {args.kl_coef}): a negative coefficient rewards leaving the reference")
     if args.bootstrap_truncated and args.missing_eos_penalty is not None:
         fail("--bootstrap-truncated replaces the missing-EOS penalty: also pass --missing-eos-penalty None")
-    if args.batch_size % (args.num_minibatches * args.micro_batch_size) != 0:
-        fail(f"--batch-size {args.batch_size} must split into --num-minibatches {args.num_minibatches} "
-             f"x micro-batches of --micro-batch-size {args.micro_batch_size}")
+    if args.batch_size % (world * args.num_minibatches * (args.micro_batch_size or 1)) != 0:
+        fail(f"--batch-size {args.batch_size} must split into {world} rank(s) x --num-minibatches "
+             f"{args.num_minibatches} x micro-batches of --micro-batch-size {args.micro_batch_size}")
+    if world > 1 and args.resume:
+        fail("--resume is single-process for now: resume without torchrun")
+    local_batch = args.batch_size // world  # rollouts generated, scored and trained on by this rank
     num_updates = args.total_episodes // args.batch_size
     if num_updates < 1:
         fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
     if args.resume == "auto" and args.run_name is None:
         fail("--resume auto needs the --run-name of the run to continue")
-    seed_everything(args.seed)
+    seed_everything(args.seed + rank)  # ranks sample different responses
     transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
 
     # checkpoint to resume from: the policy and critic weights come from it, the rest from state.pt
     ckpt_root = os.path.join(run_dir, "checkpoints")
     resume_dir = args.resume
     if resume_dir == "auto":
         resume_dir = (list_checkpoints(ckpt_root) or [None])[-1]
-        print(f"--resume auto: {resume_dir or 'no checkpoint yet, starting fresh'}")
+        log(f"--resume auto: {resume_dir or 'no checkpoint yet, starting fresh'}")
     if resume_dir is not None and not os.path.exists(os.path.join(resume_dir, "state.pt")):
         fail(f"--resume {resume_dir!r} is not a checkpoint folder (no state.pt): pass runs/<run>/checkpoints/step_<k>")
     if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
@@ -463,12 +524,17 @@ def main(args: Args):
                                               padding_side="left", trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a pad that is not EOS (DESIGN: padding)
-        print(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
+        log(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
               f"(id {tokenizer.pad_token_id}) and resized the embeddings")
     for model in (policy, ref_policy, reward_model.seq_cls, critic.seq_cls):
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     policy, ref_policy, reward_model, critic = (m.to(device) for m in (policy, ref_policy, reward_model, critic))
+    if world > 1:  # FSDP2: every model sharded per decoder layer; optimizers are built on the shards below
+        no_split = policy._no_split_modules or []
+        policy, ref_policy = shard(policy, no_split), shard(ref_policy, no_split)
+        critic = shard(critic, critic.seq_cls._no_split_modules or [])
+        reward_model = shard(reward_model, reward_model.seq_cls._no_split_modules or [])
     for frozen in (ref_policy, reward_model):
         frozen.requires_grad_(False)
     # a clean generation config: a checkpoint's own may carry top-k 20, repetition penalties...
@@ -484,7 +550,7 @@ def main(args: Args):
         fail(f"{too_long} of {len(prompts)} prompts are longer than --max-prompt-length {args.max_prompt_length} "
              "tokens: raise it, or pass --truncate-prompts to keep their last tokens")
     if too_long:
-        print(f"truncated {too_long} of {len(prompts)} prompts to their last {args.max_prompt_length} tokens")
+        log(f"truncated {too_long} of {len(prompts)} prompts to their last {args.max_prompt_length} tokens")
         prompt_ids = [p[-args.max_prompt_length:] for p in prompt_ids]
 
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
@@ -504,20 +570,25 @@ def main(args: Args):
         if torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
     for name in ("metrics.jsonl", "samples.jsonl"):  # resuming: keep the rows up to the checkpoint
-        truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
+        if rank == 0:
+            truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
 
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-    if args.track:
+    if world > 1:
+        dist.barrier()  # every rank has read the old files before rank 0 writes
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(dict(asdict(args), world_size=world), f, indent=2)
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    if args.track and rank == 0:
         import wandb
         wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir,
                    id=re.sub(r"[^\w-]", "-", run_name), resume="allow")
-    print(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts -> {run_dir}/")
-    mb_rows, micro = args.batch_size // args.num_minibatches, args.micro_batch_size
+    log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
+    mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
+    micro = args.micro_batch_size or mb_rows
     bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
-               initial=first_update - 1, total=num_updates)
+               initial=first_update - 1, total=num_updates, disable=rank != 0)
     for update in bar:
         t0 = time.perf_counter()
         # 1. sample prompts (each pass over the prompt set in a fresh order) and generate
@@ -525,13 +596,14 @@ def main(args: Args):
         order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(len(prompts))
                                 for k in range(start // len(prompts), (start + args.batch_size - 1) // len(prompts) + 1)])
         offset = start - (start // len(prompts)) * len(prompts)
-        batch_idx = order[offset: offset + args.batch_size]
+        batch_idx = order[offset: offset + args.batch_size][rank * local_batch: (rank + 1) * local_batch]
         batch_prompts = [prompts[i] for i in batch_idx]
         enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in batch_idx]}, return_tensors="pt").to(device)
         queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
         P = queries.shape[1]
         with torch.no_grad():
-            query_responses = policy.generate(input_ids=queries, attention_mask=query_mask)  # (B, P+T)
+            # synced_gpus: a sharded model needs every rank in each forward, so all keep stepping until all stop
+            query_responses = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=world > 1)  # (B, P+T)
 
         # 2. cut after the first EOS: the mask keeps the EOS, everything after it is padding
         responses = query_responses[:, P:]  # (B, T), T <= response_length
@@ -595,18 +667,12 @@ def main(args: Args):
                 first_ratio_dev = mb_stats.pop("first_ratio_dev")
                 if ratio_at_start is None:  # first micro-batch, before any optimizer step of this update
                     ratio_at_start = first_ratio_dev
-                grad_norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm or math.inf).item()
-                              for m in (policy, critic)]  # max_norm inf: measure, do not clip
-                finite = all(map(math.isfinite, grad_norms + [mb_stats["pg_loss"], mb_stats["vf_loss"]]))
-                nonfinite_streak = 0 if finite else nonfinite_streak + 1
+                finite, _ = optimizer_step((policy, critic), (actor_opt, critic_opt), args.max_grad_norm)
+                nonfinite_streak = 0 if finite else nonfinite_streak + 1  # a NaN loss gives NaN gradients
                 skipped_steps += not finite
                 if nonfinite_streak >= args.max_nonfinite_steps:
                     fail(f"update {update}: {nonfinite_streak} optimizer steps in a row had a non-finite loss or "
                          "gradient; lower the learning rates, check the reward for inf/NaN, or use fp32")
-                for opt in (actor_opt, critic_opt):
-                    if finite:  # a non-finite step is skipped, never applied
-                        opt.step()
-                    opt.zero_grad(set_to_none=True)
                 for k, v in mb_stats.items():
                     epoch_stats[k] = epoch_stats.get(k, 0.0) + v
             epoch_clipfrac.append(epoch_stats["pg_clip"] / epoch_stats["tokens"])
@@ -615,11 +681,16 @@ def main(args: Args):
         for sched in schedulers:
             sched.step()
         if args.kl_target is not None:  # adaptive KL (Ziegler et al. 2019), fed the KL per response
-            error = float(np.clip(kl.sum(1).mean().item() / args.kl_target - 1, -0.2, 0.2))
+            error = float(np.clip(global_sum(kl.sum()).item() / args.batch_size / args.kl_target - 1, -0.2, 0.2))
             kl_coef *= 1 + error * args.batch_size / args.kl_horizon
         t_update = time.perf_counter() - t1
 
         # 8. health check: new and old log-probs came from the same weights before the first step
+        stats = {k: global_sum(torch.tensor(v, dtype=torch.float64)).item() for k, v in stats.items()}
+        if world > 1:  # the largest deviation of any rank; all ranks stop together
+            ratio_at_start = torch.tensor(ratio_at_start)
+            dist.all_reduce(ratio_at_start, op=dist.ReduceOp.MAX)
+            ratio_at_start = ratio_at_start.item()
         if ratio_at_start > args.ratio_check_tol:
             fail(f"update {update}: |ratio - 1| = {ratio_at_start:.2e} before any step (tolerance "
                  f"{args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
@@ -651,9 +722,22 @@ def main(args: Args):
             "lr/actor": schedulers[0].get_last_lr()[0],
             "ppo/skipped_steps": skipped_steps,
             "time/rollout_s": t_rollout, "time/update_s": t_update,
+            "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
+                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         }
         if gold is not None:
             row["objective/gold"] = float(np.mean([gold(text) for text in response_texts]))
+        if world > 1:  # per-rank means over equal slices -> global means (the sums above are global already)
+            keys = [k for k in row if k not in ("step", "episode")]
+            values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64)
+            row.update(zip(keys, (global_sum(values) / world).tolist()))
+        if args.save_every and update % args.save_every == 0 and world == 1:  # resume is single-process for now
+            save_checkpoint(ckpt_root, update, policy, critic, tokenizer, keep=args.keep_checkpoints, state=dict(
+                step=update, kl_coef=kl_coef, actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
+                schedulers=[sch.state_dict() for sch in schedulers], python_rng=random.getstate(),
+                torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
+        if rank != 0:
+            continue
         metrics_file.write(json.dumps(row) + "\n")
         metrics_file.flush()
         bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
@@ -667,23 +751,24 @@ def main(args: Args):
                        for p, r, s in list(zip(batch_prompts, response_texts, scores.tolist()))[:4]]
             with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
-        if args.save_every and update % args.save_every == 0:
-            save_checkpoint(ckpt_root, update, policy, critic, tokenizer, keep=args.keep_checkpoints, state=dict(
-                step=update, kl_coef=kl_coef, actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
-                schedulers=[sch.state_dict() for sch in schedulers], python_rng=random.getstate(),
-                torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
         if args.track:
             wandb.log(row, step=update)
             if samples:
                 wandb.log({"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}, step=update)
 
-    policy.save_pretrained(os.path.join(run_dir, "policy"))
-    tokenizer.save_pretrained(os.path.join(run_dir, "policy"))
-    critic.seq_cls.save_pretrained(os.path.join(run_dir, "critic"))
-    metrics_file.close()
-    if args.track:
-        wandb.finish()
-    print(f"saved policy and critic to {run_dir}/")
+    policy_state, critic_state = full_state_dict(policy), full_state_dict(critic)  # gathered: every rank takes part
+    if rank == 0:
+        if critic_state is not None:
+            critic_state = {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
+        policy.save_pretrained(os.path.join(run_dir, "policy"), state_dict=policy_state)
+        tokenizer.save_pretrained(os.path.join(run_dir, "policy"))
+        critic.seq_cls.save_pretrained(os.path.join(run_dir, "critic"), state_dict=critic_state)
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+        log(f"saved policy and critic to {run_dir}/")
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def odd_checkpoints(world, tmp_path_factory):
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--response-length", "0"], "--response-length and --max-prompt-length must be positive"),
     (["--kl-coef", "-0.1"], "--kl-coef must be >= 0"),
-    (["--batch-size", "64", "--micro-batch-size", "48"], "must split into --num-minibatches"),
+    (["--batch-size", "64", "--micro-batch-size", "48"], "must split into 1 rank(s) x --num-minibatches"),
     (["--top-p", "0.9"], "--top-p/--top-k make the sampled support differ"),
     (["--bootstrap-truncated"], "also pass --missing-eos-penalty None"),
     (["--max-prompt-length", "4"], "longer than --max-prompt-length 4 tokens"),

@@ -20,7 +20,7 @@ def metrics(run):
 
 
 def strip_times(row):
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "mem/"))}
 
 
 def test_sigkill_after_checkpoint_then_resume_is_exact(world):

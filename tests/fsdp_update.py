@@ -1,0 +1,36 @@
+"""One PPO update of a fixed rollout, under `torchrun --nproc_per_node=N` (N = 1 or 2, gloo).
+Each rank trains on its slice of the same 32 rollouts with FSDP2-sharded models; rank 0 writes the
+full policy and critic parameters to argv[1], for test_fsdp.py to compare across world sizes."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ppo  # noqa: E402
+import toy  # noqa: E402
+from test_ppo_parts import rollout_batch  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+policy, critic, rollout, P = rollout_batch(toy.build_world(), B=32)  # identical on every rank (seeded)
+rows = slice(rank * 32 // world, (rank + 1) * 32 // world)
+local = {k: v[rows] for k, v in rollout.items()}
+# global whitening: a rank's slice, whitened with all-reduced statistics, equals the slice of the whole
+whole = ppo.masked_whiten(rollout["advantages"], rollout["mask"]) if world == 1 else None
+local["advantages"] = ppo.masked_whiten(local["advantages"], local["mask"])
+if world > 1:
+    policy, critic = ppo.shard(policy, policy._no_split_modules), ppo.shard(critic, critic.seq_cls._no_split_modules)
+opts = [torch.optim.AdamW(m.parameters(), lr=3e-4, eps=1e-5) for m in (policy, critic)]
+args = ppo.Args(micro_batch_size=8)
+for epoch in range(4):
+    ppo.minibatch_backward(policy, critic, local, torch.arange(len(local["mask"])), P, args)
+    ppo.optimizer_step((policy, critic), opts, args.max_grad_norm)
+states = [ppo.full_state_dict(m) or m.state_dict() for m in (policy, critic)]
+adv = [torch.zeros_like(rollout["advantages"]) for _ in range(world)]
+dist.all_gather(adv, torch.nn.functional.pad(local["advantages"], (0, 0, rows.start, 32 - rows.stop)))
+if rank == 0:
+    torch.save({"policy": states[0], "critic": states[1], "advantages": sum(adv)}, sys.argv[1])
+dist.destroy_process_group()
