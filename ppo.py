@@ -40,6 +40,11 @@ Choices worth knowing (each one broke a real trainer somewhere):
   coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
   from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
   run in the prompt stream; nothing here draws from numpy's global generator.
+- Not here yet, each with an open issue: KL in the loss instead of the reward (GRPO style),
+  vLLM generation with its log-prob gap measured and corrected by truncated importance sampling,
+  a reward model with its own tokenizer (today it must share the policy's), prompt datasets and
+  reward functions, PPO-ptx. With HF `generate` the rollout and the trainer are the same model, so
+  phase 8 covers the engine mismatch that vLLM would bring.
 - Under torchrun every statistic that defines the update is global (whitening, the loss divisor,
   the adaptive-KL input, the metrics), so N ranks run the same algorithm as one process.
   Not yet here: resume under torchrun, offloading the frozen models, activation checkpointing.

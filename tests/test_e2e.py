@@ -43,6 +43,19 @@ def test_a_few_updates_write_every_metric_and_a_loadable_checkpoint(world):
     AutoModelForSequenceClassification.from_pretrained("runs/test_e2e/critic")
 
 
+def test_the_other_reward_and_critic_options_run(world):
+    out = run("--run-name", "test_options", "--total-episodes", "128", "--response-length", "3",
+              "--bootstrap-truncated", "--missing-eos-penalty", "None", "--kl-estimator", "k3", "--whiten-rewards",
+              "--critic-init", "policy", "--kl-target", "1.0", "--ent-coef", "0.01", "--no-anneal-lr")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in open("runs/test_options/metrics.jsonl")]
+    assert rows[0]["ppo/val/eos_rate"] < 1  # three tokens: some responses are cut, and bootstrapped
+    assert all(r["objective/kl"] >= 0 for r in rows)  # k3 is non-negative
+    # adaptive KL: the KL of the first update is below the target, so beta shrinks by the clipped step
+    assert abs(rows[0]["objective/kl_coef"] - 0.05 * (1 - 0.2 * 64 / 10000)) < 1e-9
+    assert rows[0]["lr/actor"] == rows[1]["lr/actor"]  # --no-anneal-lr
+
+
 def test_wandb_offline(world, tmp_path):
     out = run("--run-name", "test_wandb", "--total-episodes", "64", "--track",
               env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
