@@ -691,9 +691,8 @@ def main(args: Args):
         t_update = time.perf_counter() - t1
 
         # 8. health check: new and old log-probs came from the same weights before the first step
-        stats = {k: global_sum(torch.tensor(v, dtype=torch.float64)).item() for k, v in stats.items()}
         if world > 1:  # the largest deviation of any rank; all ranks stop together
-            ratio_at_start = torch.tensor(ratio_at_start)
+            ratio_at_start = torch.tensor(ratio_at_start, device=device)  # NCCL reduces GPU tensors only
             dist.all_reduce(ratio_at_start, op=dist.ReduceOp.MAX)
             ratio_at_start = ratio_at_start.item()
         if ratio_at_start > args.ratio_check_tol:
@@ -702,6 +701,7 @@ def main(args: Args):
                  "padding or position ids differ, temperature differs, or the generator's weights are stale")
 
         # 9. log, save
+        stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
         n = stats["tokens"]
         response_texts = [tokenizer.decode(r[: int(l)]) for r, l in zip(responses, lengths)]
         var_returns = masked_var(returns, mask)
@@ -734,7 +734,7 @@ def main(args: Args):
             row["objective/gold"] = float(np.mean([gold(text) for text in response_texts]))
         if world > 1:  # per-rank means over equal slices -> global means (the sums above are global already)
             keys = [k for k in row if k not in ("step", "episode")]
-            values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64)
+            values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=device)
             row.update(zip(keys, (global_sum(values) / world).tolist()))
         if args.save_every and update % args.save_every == 0 and world == 1:  # resume is single-process for now
             save_checkpoint(ckpt_root, update, policy, critic, tokenizer, keep=args.keep_checkpoints, state=dict(
