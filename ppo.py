@@ -100,6 +100,14 @@ class Args:
     """how many of the newest checkpoints to keep"""
     resume: Optional[str] = None
     """a checkpoint folder to continue from, or `auto`: the newest whole one of --run-name"""
+    eval_every: int = 0
+    """evaluate every this many updates, and at the end (0 = never)"""
+    eval_greedy: bool = False
+    """evaluate greedy responses instead of samples at --temperature"""
+    eval_size: int = 256
+    """the most evaluation prompts used"""
+    keep_best: Optional[str] = None
+    """also save the models to runs/<run>/best/ whenever this eval metric (e.g. eval/score) is the highest yet"""
     max_nonfinite_steps: int = 3
     """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
     debug: bool = False
@@ -107,13 +115,40 @@ class Args:
 
     # models
     model: str = "toy"
-    """policy checkpoint (HF causal LM path), or `toy` for the built-in world of toy.py"""
+    """policy checkpoint (HF causal LM, local path or hub name), or `toy` for the built-in world of toy.py"""
+    ref_model: Optional[str] = None
+    """the frozen reference of the KL penalty (default: --model)"""
     reward_model: Optional[str] = None
-    """reward model checkpoint (HF sequence classifier, one label); `toy` brings its own"""
-    critic_init: Literal["reward", "policy"] = "reward"
-    """start the critic from the reward model (InstructGPT, N+) or the policy with a fresh head"""
+    """reward model (HF sequence classifier, one label); on the toy world its own, unless --reward-fn is given"""
+    reward_fn: Optional[str] = None
+    """a Python reward, `FILE.py:NAME` or `module:NAME`: f(prompts, responses, **columns) -> one float each"""
+    reward_model_weight: float = 1.0
+    """weight of the reward model's score in the total score"""
+    reward_fn_weight: float = 1.0
+    """weight of --reward-fn in the total score"""
+    critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
+    """critic start: the reward model (InstructGPT, N+), the policy with a fresh scalar head, or random;
+    auto = the reward model when it shares the policy's tokenizer, else the policy"""
     trust_remote_code: bool = False
     """let checkpoints run their own Python code (only for checkpoints you trust)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass of policy and critic (less memory, about 30% slower)"""
+    shard_frozen: bool = True
+    """under torchrun, shard the reference and reward model too (False: a whole copy on each rank)"""
+    offload_frozen: bool = False
+    """keep the reference and reward model on the CPU except during the no-grad passes (single process)"""
+
+    # data
+    dataset: Optional[str] = None
+    """prompts: a local .jsonl/.json/.parquet file or a hub dataset name (default: the toy world's prompts)"""
+    prompt_column: str = "prompt"
+    """column holding the prompt: a string, or a list of chat messages rendered with the chat template"""
+    train_split: str = "train"
+    """split of --dataset to train on"""
+    eval_split: Optional[str] = None
+    """split of --dataset to evaluate on (None: --eval-fraction of the training prompts)"""
+    eval_fraction: float = 0.05
+    """fraction of the training prompts held out for evaluation when there is no --eval-split"""
 
     # rollout
     total_episodes: int = 64 * 100
@@ -386,6 +421,112 @@ def full_state_dict(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def load_prompt_rows(args):
+    """Training and evaluation rows (dicts: the prompt column and any others, e.g. a reference answer)."""
+    if args.dataset is None:
+        import toy
+        return ([{"prompt": p} for p in toy.prompts(2048, seed=1234)],
+                [{"prompt": p} for p in toy.prompts(args.eval_size, seed=4321)])
+    import datasets
+    ext = os.path.splitext(args.dataset)[1]
+    try:
+        if ext in (".jsonl", ".json", ".parquet"):
+            ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=args.dataset)
+        else:
+            ds = datasets.load_dataset(args.dataset)
+        train = ds[args.train_split]
+    except Exception as e:  # a missing file, no network, an unknown split: all one line for the user
+        fail(f"--dataset {args.dataset!r} (split {args.train_split!r}) cannot be loaded: {str(e).strip().splitlines()[0]}")
+    if args.prompt_column not in train.column_names:
+        fail(f"--dataset has no column {args.prompt_column!r} (it has {train.column_names}): set --prompt-column")
+    if args.eval_split is not None:
+        held_out = ds[args.eval_split]
+    elif args.eval_fraction > 0 and len(train) > 1:
+        parts = train.train_test_split(test_size=args.eval_fraction, seed=args.seed)
+        train, held_out = parts["train"], parts["test"]
+    else:
+        held_out = train.select([])
+    rename = lambda row: dict(row, prompt=row[args.prompt_column])  # noqa: E731
+    return [rename(r) for r in train], [rename(r) for r in held_out.select(range(min(args.eval_size, len(held_out))))]
+
+
+def render_prompt(tokenizer, prompt):
+    """Prompt ids: chat messages through the tokenizer's chat template with the generation prompt,
+    a string as it is (with the tokenizer's own special tokens, e.g. BOS)."""
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
+def render_for_rm(rm_tokenizer, prompt, response):
+    """Prompt + decoded response as the reward model was trained to read them: through its own chat
+    template if it has one, else as plain text."""
+    if rm_tokenizer.chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+    if isinstance(prompt, list):
+        prompt = "\n".join(m["content"] for m in prompt)
+    sep = "" if prompt[-1:].isspace() or response[:1].isspace() else " "
+    return prompt + sep + response
+
+
+def load_reward_fn(spec):
+    """`FILE.py:NAME` or `module:NAME` -> the callable."""
+    import importlib
+    import importlib.util
+    path, _, name = spec.rpartition(":")
+    try:
+        if path.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(path)
+        return getattr(module, name)
+    except (ImportError, FileNotFoundError, AttributeError, ValueError) as e:
+        fail(f"--reward-fn {spec!r} cannot be loaded ({e}): give FILE.py:NAME or module:NAME")
+
+
+def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro):
+    """The RM's score per response: read at the last real token when it shares the policy's
+    tokenizer; else on prompt + response re-tokenized with its own tokenizer, as it was trained."""
+    scores = []
+    for i in range(0, len(lengths), micro):
+        rows = slice(i, i + micro)
+        if rm_tokenizer is None:
+            t = int(lengths[rows].max())
+            v = state_values(reward_model, query_responses[rows, :P + t], attention_mask[rows, :P + t], P)  # (b, t+1)
+            scores.append(v.gather(1, lengths[rows, None]).squeeze(1))  # (b,): column `length` = last real token
+        else:
+            enc = rm_tokenizer(rm_texts[rows], padding=True, padding_side="right", return_tensors="pt",
+                               add_special_tokens=not rm_tokenizer.chat_template).to(lengths.device)
+            v = forward(reward_model, enc.input_ids, enc.attention_mask)  # (b, L)
+            scores.append(v.gather(1, enc.attention_mask.sum(1, keepdim=True) - 1).squeeze(1))  # (b,)
+    return torch.cat(scores)  # (B,)
+
+
+def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False):
+    """Phases 1-2: left-pad the prompts, generate, cut each response after its first EOS.
+    Returns query_responses, attention_mask (B, P+T), lengths, has_eos (B,), mask (B, T), P."""
+    enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
+    queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
+    P = queries.shape[1]
+    with torch.no_grad():
+        # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
+        out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
+                              **({"do_sample": False, "temperature": None} if greedy else {}))  # (B, P+T)
+    responses = out[:, P:]  # (B, T), T <= response_length
+    lengths = response_lengths(responses, tokenizer.eos_token_id)  # (B,)
+    has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,): False = cut by the length limit
+    T = int(lengths.max())
+    mask = (torch.arange(T, device=device) < lengths[:, None]).float()  # (B, T)
+    responses = responses[:, :T].masked_fill(mask == 0, tokenizer.pad_token_id)  # (B, T): padding after EOS
+    query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
+    attention_mask = torch.cat([query_mask, mask.long()], 1)  # (B, P+T)
+    return query_responses, attention_mask, lengths, has_eos, mask, P
+
+
 def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
@@ -416,6 +557,13 @@ def load_model(cls, path, flag, args, **kw):
              f"it is {archs[0] if archs else 'unknown'} with {config.num_labels} labels")
     model = cls.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code, **kw)
     return disable_dropout(model)
+
+
+def load_tokenizer(path, flag, args, **kw):
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kw)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path!r} cannot be loaded: {str(e).strip().splitlines()[0]}")
 
 
 def save_checkpoint(ckpt_root, step, policy, critic, tokenizer, state, keep):
@@ -505,76 +653,118 @@ def main(args: Args):
     if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
 
-    # models and prompts
-    gold = None
+    # models, tokenizers, rewards, prompts
+    if args.offload_frozen and world > 1:
+        fail("--offload-frozen is single-process for now; under torchrun use --shard-frozen instead")
+    gold, policy_path, reward_path = None, args.model, args.reward_model
     if args.model == "toy":
         import toy
-        policy_path, reward_path = toy.build_world()
-        reward_path = args.reward_model or reward_path
-        prompts, gold = toy.prompts(2048, seed=1234), toy.gold
-    else:
-        policy_path, reward_path = args.model, args.reward_model
-        if reward_path is None:
-            fail("--reward-model is required with --model (a sequence classifier with one label)")
-        import toy  # until a prompt dataset flag exists, real models see the toy prompts
-        prompts = toy.prompts(2048, seed=1234)
+        policy_path, toy_reward = toy.build_world()
+        reward_path = reward_path or (None if args.reward_fn else toy_reward)
+        gold = toy.gold
+    if reward_path is None and args.reward_fn is None:
+        fail("no reward: give --reward-model (a sequence classifier with one label) and/or --reward-fn FILE.py:NAME")
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+    tokenizer = load_tokenizer(os.path.join(resume_dir, "policy") if resume_dir else policy_path, "--model", args,
+                               padding_side="left")
+    rm_tokenizer = None  # None: the RM reads the policy's tokens directly
+    if reward_path is not None:
+        rm_tokenizer = load_tokenizer(reward_path, "--reward-model", args)
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
+            rm_tokenizer = None
+        else:
+            log("the reward model has its own tokenizer: responses are decoded and re-tokenized for it")
+    critic_init = args.critic_init
+    if critic_init == "auto":
+        critic_init = "reward" if reward_path is not None and rm_tokenizer is None else "policy"
+    if critic_init == "reward" and (reward_path is None or rm_tokenizer is not None):
+        fail("--critic-init reward needs a reward model that shares the policy's tokenizer; use --critic-init policy")
     policy = load_model(AutoModelForCausalLM, resume_dir and os.path.join(resume_dir, "policy") or policy_path, "--model", args)
-    ref_policy = load_model(AutoModelForCausalLM, policy_path, "--model", args)
-    reward_model = ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
-    critic_path = reward_path if args.critic_init == "reward" else policy_path  # policy: a fresh scalar head
-    critic = ValueModel(load_model(AutoModelForSequenceClassification,
-                                   resume_dir and os.path.join(resume_dir, "critic") or critic_path, "--model", args,
-                                   num_labels=1))
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(resume_dir, "policy") if resume_dir else policy_path,
-                                              padding_side="left", trust_remote_code=args.trust_remote_code)
+    ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
+    reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
+    if resume_dir:
+        critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
+    elif critic_init == "scratch":
+        config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
+        critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
+    else:  # from the policy: the backbone is loaded and the scalar head starts fresh
+        critic = load_model(AutoModelForSequenceClassification, reward_path if critic_init == "reward" else policy_path,
+                            "--critic-init", args, num_labels=1)
+    critic = ValueModel(critic)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a pad that is not EOS (DESIGN: padding)
         log(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
-              f"(id {tokenizer.pad_token_id}) and resized the embeddings")
-    for model in (policy, ref_policy, reward_model.seq_cls, critic.seq_cls):
+            f"(id {tokenizer.pad_token_id}) and resized the embeddings")
+    for model in (policy, ref_policy, critic.seq_cls) + ((reward_model.seq_cls,) if reward_model and rm_tokenizer is None else ()):
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
-    policy, ref_policy, reward_model, critic = (m.to(device) for m in (policy, ref_policy, reward_model, critic))
-    if world > 1:  # FSDP2: every model sharded per decoder layer; optimizers are built on the shards below
-        no_split = policy._no_split_modules or []
-        policy, ref_policy = shard(policy, no_split), shard(ref_policy, no_split)
+    policy, ref_policy, critic = (m.to(device) for m in (policy, ref_policy, critic))
+    frozen_device = torch.device("cpu") if args.offload_frozen else device
+    reward_model = reward_model and reward_model.to(frozen_device)
+    ref_policy = ref_policy.to(frozen_device)
+    if world > 1:  # FSDP2: sharded per decoder layer; optimizers are built on the shards below
+        policy = shard(policy, policy._no_split_modules or [])
         critic = shard(critic, critic.seq_cls._no_split_modules or [])
-        reward_model = shard(reward_model, reward_model.seq_cls._no_split_modules or [])
+        if args.shard_frozen:
+            ref_policy = shard(ref_policy, ref_policy._no_split_modules or [])
+            reward_model = reward_model and shard(reward_model, reward_model.seq_cls._no_split_modules or [])
     for frozen in (ref_policy, reward_model):
-        frozen.requires_grad_(False)
+        if frozen:
+            frozen.requires_grad_(False)
+    if args.gradient_checkpointing:  # HF recomputes only in training mode; dropout is off for good anyway
+        for model in (policy, critic.seq_cls):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # a clean generation config: a checkpoint's own may carry top-k 20, repetition penalties...
     policy.generation_config = GenerationConfig(
         do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
-    if not prompts:
-        fail("the prompt set is empty")
-    prompt_ids = tokenizer(prompts).input_ids  # tokenized once
-    too_long = sum(len(p) > args.max_prompt_length for p in prompt_ids)
+    prompt_rows, eval_rows = load_prompt_rows(args)
+    if not prompt_rows:
+        fail("the prompt set is empty: check --dataset and --train-split")
+    prompt_ids = [render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]  # tokenized once
+    eval_ids = [render_prompt(tokenizer, r["prompt"]) for r in eval_rows]
+    too_long = sum(len(p) > args.max_prompt_length for p in prompt_ids + eval_ids)
     if too_long and not args.truncate_prompts:
-        fail(f"{too_long} of {len(prompts)} prompts are longer than --max-prompt-length {args.max_prompt_length} "
-             "tokens: raise it, or pass --truncate-prompts to keep their last tokens")
+        fail(f"{too_long} of {len(prompt_ids + eval_ids)} prompts are longer than --max-prompt-length "
+             f"{args.max_prompt_length} tokens: raise it, or pass --truncate-prompts to keep their last tokens")
     if too_long:
-        log(f"truncated {too_long} of {len(prompts)} prompts to their last {args.max_prompt_length} tokens")
+        log(f"truncated {too_long} of {len(prompt_ids + eval_ids)} prompts to their last {args.max_prompt_length} tokens")
         prompt_ids = [p[-args.max_prompt_length:] for p in prompt_ids]
+        eval_ids = [p[-args.max_prompt_length:] for p in eval_ids]
+    prompts = [r["prompt"] for r in prompt_rows]
+    columns = [k for k in prompt_rows[0] if k not in ("prompt", args.prompt_column)]  # extra columns for --reward-fn
+
+    def score(batch_rows, query_responses, attention_mask, lengths, P, texts):
+        """The total score per response and each component's (B,) tensor, under no_grad."""
+        parts = {}
+        if reward_model:
+            rm_texts = [render_for_rm(rm_tokenizer, r["prompt"], t) for r, t in zip(batch_rows, texts)] if rm_tokenizer else None
+            parts["reward_model"] = args.reward_model_weight * reward_model_scores(
+                reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro)
+        if reward_fn:
+            extra = {k: [r[k] for r in batch_rows] for k in columns}
+            values = reward_fn([r["prompt"] for r in batch_rows], texts, **extra)
+            parts["reward_fn"] = args.reward_fn_weight * torch.tensor(values, dtype=torch.float, device=device)
+        return sum(parts.values()), parts
 
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, eps=1e-5)
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in (actor_opt, critic_opt)]
-    kl_coef, first_update, nonfinite_streak = args.kl_coef, 1, 0
+    kl_coef, first_update, nonfinite_streak, best = args.kl_coef, 1, 0, -math.inf
     if resume_dir is not None:
         state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)
         actor_opt.load_state_dict(state["actor_opt"])
         critic_opt.load_state_dict(state["critic_opt"])
         for sched, sd in zip(schedulers, state["schedulers"]):
             sched.load_state_dict(sd)
-        kl_coef, first_update = state["kl_coef"], state["step"] + 1
+        kl_coef, first_update, best = state["kl_coef"], state["step"] + 1, state["best"]
         random.setstate((state["python_rng"][0], tuple(state["python_rng"][1]), state["python_rng"][2]))
         torch.set_rng_state(state["torch_rng"])
         if torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-    for name in ("metrics.jsonl", "samples.jsonl"):  # resuming: keep the rows up to the checkpoint
+    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):  # resuming: keep the rows up to the checkpoint
         if rank == 0:
             truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
 
@@ -589,6 +779,41 @@ def main(args: Args):
         import wandb
         wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir,
                    id=re.sub(r"[^\w-]", "-", run_name), resume="allow")
+    def evaluate(update):
+        """Responses to the held-out prompts (greedy or at T), scored like the rollouts: eval/ metrics and a few rows."""
+        mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
+        sums, samples = {}, []
+        for i in range(0, len(mine), local_batch):
+            idx = mine[i: i + local_batch]
+            qr, am, lengths, has_eos, _, P = generate(policy, tokenizer, [eval_ids[j] for j in idx], device,
+                                                      greedy=args.eval_greedy, synced=world > 1)
+            responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            with torch.no_grad():
+                total, parts = score([eval_rows[j] for j in idx], qr, am, lengths, P, texts)
+            if args.missing_eos_penalty is not None:
+                total = torch.where(has_eos, total, args.missing_eos_penalty)
+            values = {"eval/score": total, **{f"eval/{k}": v for k, v in parts.items()}}
+            if gold is not None:
+                values["eval/gold"] = torch.tensor([gold(tokenizer.decode(r)) for r in responses])
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + v.sum().item()
+            samples += [{"step": update, "prompt": eval_rows[j]["prompt"], "response": t, "score": s}
+                        for j, t, s in zip(idx, texts, total.tolist())][: max(0, 8 - len(samples))]
+        count = global_sum(torch.tensor(float(len(mine)), device=device)).item()
+        return {k: global_sum(torch.tensor(v, device=device)).item() / max(count, 1) for k, v in sums.items()}, samples
+
+    def save_models(path):
+        """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards
+        by every rank and written by rank 0."""
+        policy_state, critic_state = full_state_dict(policy), full_state_dict(critic)
+        if rank == 0:
+            if critic_state is not None:
+                critic_state = {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
+            policy.save_pretrained(os.path.join(path, "policy"), state_dict=policy_state)
+            tokenizer.save_pretrained(os.path.join(path, "policy"))
+            critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)
+
     log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
     mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
     micro = args.micro_batch_size or mb_rows
@@ -596,36 +821,27 @@ def main(args: Args):
                initial=first_update - 1, total=num_updates, disable=rank != 0)
     for update in bar:
         t0 = time.perf_counter()
-        # 1. sample prompts (each pass over the prompt set in a fresh order) and generate
+        # 1. sample prompts (each pass over the prompt set in a fresh order) and generate;
+        # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
         start = (update - 1) * args.batch_size
         order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(len(prompts))
                                 for k in range(start // len(prompts), (start + args.batch_size - 1) // len(prompts) + 1)])
         offset = start - (start // len(prompts)) * len(prompts)
         batch_idx = order[offset: offset + args.batch_size][rank * local_batch: (rank + 1) * local_batch]
         batch_prompts = [prompts[i] for i in batch_idx]
-        enc = tokenizer.pad({"input_ids": [prompt_ids[i] for i in batch_idx]}, return_tensors="pt").to(device)
-        queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
-        P = queries.shape[1]
-        with torch.no_grad():
-            # synced_gpus: a sharded model needs every rank in each forward, so all keep stepping until all stop
-            query_responses = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=world > 1)  # (B, P+T)
-
-        # 2. cut after the first EOS: the mask keeps the EOS, everything after it is padding
-        responses = query_responses[:, P:]  # (B, T), T <= response_length
-        lengths = response_lengths(responses, tokenizer.eos_token_id)  # (B,)
-        has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,): False = cut by the length limit
-        T = int(lengths.max())
-        responses = responses[:, :T]  # (B, T): drop columns that are padding in every row
-        mask = (torch.arange(T, device=device) < lengths[:, None]).float()  # (B, T)
-        responses = responses.masked_fill(mask == 0, tokenizer.pad_token_id)  # (B, T)
-        query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
-        attention_mask = torch.cat([query_mask, mask.long()], 1)  # (B, P+T)
+        query_responses, attention_mask, lengths, has_eos, mask, P = generate(
+            policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1)
+        queries = query_responses[:, :P]  # (B, P)
+        responses = query_responses[:, P:]  # (B, T)
+        T = responses.shape[1]
+        texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(responses, lengths)], skip_special_tokens=True)
 
         # 3. no-grad passes in micro-batches, each trimmed to its longest response
         logprobs = torch.zeros(len(queries), T, device=device)  # (B, T)
         ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
         values_all = torch.zeros(len(queries), T + 1, device=device)  # (B, T+1)
-        score_all = torch.zeros_like(values_all)  # (B, T+1)
+        for frozen in (ref_policy, reward_model) if args.offload_frozen else ():
+            frozen and frozen.to(device)
         with torch.no_grad():
             for i in range(0, len(queries), micro):
                 rows = slice(i, i + micro)
@@ -634,8 +850,10 @@ def main(args: Args):
                 logprobs[rows, :t], entropy[rows, :t] = policy_logprobs(policy, qr, am, P, args.temperature, True)
                 ref_logprobs[rows, :t], _ = policy_logprobs(ref_policy, qr, am, P, args.temperature)
                 values_all[rows, :t + 1] = state_values(critic, qr, am, P)
-                score_all[rows, :t + 1] = state_values(reward_model, qr, am, P)
-        scores = score_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): RM read at the last real token
+            batch_rows = [prompt_rows[i] for i in batch_idx]
+            scores, score_parts = score(batch_rows, query_responses, attention_mask, lengths, P, texts)  # (B,)
+        for frozen in (ref_policy, reward_model) if args.offload_frozen else ():  # free the accelerator for phase 7
+            frozen and frozen.to("cpu")
         values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
         next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
 
@@ -664,6 +882,8 @@ def main(args: Args):
         rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
                        logprobs=logprobs, values=values, advantages=advantages, returns=returns)
         stats, epoch_clipfrac, ratio_at_start, skipped_steps = {}, [], None, 0
+        for model in (policy, critic):  # HF recomputes activations only in training mode (dropout stays off)
+            model.train(args.gradient_checkpointing)
         for epoch in range(args.num_ppo_epochs):
             perm = torch.randperm(len(queries), device=device)  # (B,)
             epoch_stats = {}
@@ -683,6 +903,8 @@ def main(args: Args):
             epoch_clipfrac.append(epoch_stats["pg_clip"] / epoch_stats["tokens"])
             for k, v in epoch_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
+        for model in (policy, critic):
+            model.eval()
         for sched in schedulers:
             sched.step()
         if args.kl_target is not None:  # adaptive KL (Ziegler et al. 2019), fed the KL per response
@@ -703,7 +925,6 @@ def main(args: Args):
         # 9. log, save
         stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
         n = stats["tokens"]
-        response_texts = [tokenizer.decode(r[: int(l)]) for r, l in zip(responses, lengths)]
         var_returns = masked_var(returns, mask)
         row = {
             "step": update, "episode": update * args.batch_size,
@@ -730,15 +951,24 @@ def main(args: Args):
             "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
                             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         }
-        if gold is not None:
-            row["objective/gold"] = float(np.mean([gold(text) for text in response_texts]))
+        for name, part in score_parts.items():  # each weighted component of the score
+            row[f"objective/{name}"] = part.mean().item()
+        if gold is not None:  # the toy judge reads the EOS token too
+            row["objective/gold"] = float(np.mean([gold(tokenizer.decode(r[: int(n)])) for r, n in zip(responses, lengths)]))
+        eval_samples = []
+        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
+            eval_row, eval_samples = evaluate(update)
+            row.update(eval_row)
         if world > 1:  # per-rank means over equal slices -> global means (the sums above are global already)
             keys = [k for k in row if k not in ("step", "episode")]
             values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=device)
             row.update(zip(keys, (global_sum(values) / world).tolist()))
+        if args.keep_best and row.get(args.keep_best, -math.inf) > best:
+            best = row[args.keep_best]
+            save_models(os.path.join(run_dir, "best"))
         if args.save_every and update % args.save_every == 0 and world == 1:  # resume is single-process for now
             save_checkpoint(ckpt_root, update, policy, critic, tokenizer, keep=args.keep_checkpoints, state=dict(
-                step=update, kl_coef=kl_coef, actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
+                step=update, kl_coef=kl_coef, best=best, actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
                 schedulers=[sch.state_dict() for sch in schedulers], python_rng=random.getstate(),
                 torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
         if rank != 0:
@@ -753,21 +983,20 @@ def main(args: Args):
         samples = []
         if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
             samples = [{"step": update, "prompt": p, "response": r, "score": s}
-                       for p, r, s in list(zip(batch_prompts, response_texts, scores.tolist()))[:4]]
-            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
+                       for p, r, s in list(zip(batch_prompts, texts, scores.tolist()))[:4]]
+        for name, rows_out in (("samples", samples), ("eval_samples", eval_samples)):
+            if rows_out:
+                with open(os.path.join(run_dir, f"{name}.jsonl"), "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows_out)
         if args.track:
             wandb.log(row, step=update)
-            if samples:
-                wandb.log({"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}, step=update)
+            for name, rows_out in (("samples", samples), ("eval/samples", eval_samples)):
+                if rows_out:
+                    wandb.log({name: wandb.Table(columns=list(rows_out[0]), data=[list(r.values()) for r in rows_out])},
+                              step=update)
 
-    policy_state, critic_state = full_state_dict(policy), full_state_dict(critic)  # gathered: every rank takes part
+    save_models(run_dir)
     if rank == 0:
-        if critic_state is not None:
-            critic_state = {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
-        policy.save_pretrained(os.path.join(run_dir, "policy"), state_dict=policy_state)
-        tokenizer.save_pretrained(os.path.join(run_dir, "policy"))
-        critic.seq_cls.save_pretrained(os.path.join(run_dir, "critic"), state_dict=critic_state)
         metrics_file.close()
         if args.track:
             wandb.finish()

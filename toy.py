@@ -57,6 +57,13 @@ def gold(response: str) -> float:
     return sum(a in POSITIVE for a in adjectives) / len(adjectives)
 
 
+def gold_reward(prompts, responses, **columns) -> list[float]:
+    """The gold judge as a --reward-fn (`--reward-fn toy:gold_reward`). The trainer passes responses
+    decoded without special tokens; those cut by the length limit get its missing-EOS penalty
+    instead, so every response scored here ended with EOS."""
+    return [gold(r + " <eos>") for r in responses]
+
+
 def prompts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [rng.choice(TEMPLATES).format(rng.choice(NOUNS)) for _ in range(n)]

@@ -1,0 +1,104 @@
+"""Real prompts and rewards: a JSON-lines dataset with chat templates, a Python reward function with an
+extra column, a reward model with its own tokenizer, the two mixed with weights, and evaluation."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig,
+                          PreTrainedTokenizerFast)
+
+import toy
+
+CHAT = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}")
+REWARD_FN = '''
+def reward(prompts, responses, answer):
+    """1 when the response mentions the reference adjective of its row, else 0."""
+    assert len(prompts) == len(responses) == len(answer)
+    return [float(a in r.split()) for r, a in zip(responses, answer)]
+'''
+
+
+def run(name, *flags):
+    shutil.rmtree(f"runs/{name}", ignore_errors=True)
+    out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, *flags], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out, [json.loads(line) for line in open(f"runs/{name}/metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def files(world, tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    # the toy policy with a chat template ("user : ... assistant :")
+    tok = AutoTokenizer.from_pretrained(world[0])
+    tok.chat_template = CHAT
+    tok.save_pretrained(root / "chat_policy")
+    AutoModelForCausalLM.from_pretrained(world[0]).save_pretrained(root / "chat_policy")
+    # prompts as chat messages, with a reference answer column
+    noun = lambda p: next(w for w in p.split() if w in toy.NOUNS)  # noqa: E731
+    rows = [{"prompt": [{"role": "user", "content": p}], "answer": toy.POSITIVE[toy.NOUNS.index(noun(p))]}
+            for p in toy.prompts(300, seed=7)]  # the answer is a function of the prompt
+    with open(root / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    (root / "my_reward.py").write_text(REWARD_FN)
+    # a reward model with a different tokenizer: the same words in another order, and its own chat template
+    vocab = toy.SPECIALS + sorted(set(toy.VOCAB) - set(toy.SPECIALS) | {"user", "assistant"}, reverse=True)
+    wl = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    rm_tok = PreTrainedTokenizerFast(tokenizer_object=wl, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    rm_tok.chat_template = CHAT
+    rm_tok.save_pretrained(root / "other_rm")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(root / "other_rm")
+    return root
+
+
+def test_chat_dataset_reward_fn_with_column_and_eval(files):
+    out, rows = run("test_data", "--model", str(files / "chat_policy"), "--dataset", str(files / "prompts.jsonl"),
+                    "--reward-fn", f"{files}/my_reward.py:reward", "--total-episodes", "128", "--eval-every", "1",
+                    "--eval-fraction", "0.1", "--keep-best", "eval/score")
+    assert "critic" in os.listdir("runs/test_data")
+    for r in rows:
+        assert 0 <= r["objective/reward_fn"] <= 1 and "objective/reward_model" not in r
+        assert {"eval/score", "eval/reward_fn"} <= set(r)
+    samples = [json.loads(line) for line in open("runs/test_data/eval_samples.jsonl")]
+    assert {s["step"] for s in samples} == {1, 2} and isinstance(samples[0]["prompt"], list)
+    assert os.path.exists("runs/test_data/best/policy/model.safetensors")
+
+
+def test_reward_model_with_its_own_tokenizer_mixed_with_a_function(files, world):
+    out, rows = run("test_other_rm", "--model", str(files / "chat_policy"), "--dataset", str(files / "prompts.jsonl"),
+                    "--reward-model", str(files / "other_rm"), "--reward-model-weight", "0.5",
+                    "--reward-fn", f"{files}/my_reward.py:reward", "--reward-fn-weight", "2.0",
+                    "--missing-eos-penalty", "None", "--total-episodes", "128", "--sample-every", "1")
+    assert "its own tokenizer" in out.stdout
+    assert all("objective/reward_model" in r and "objective/reward_fn" in r for r in rows)
+    # every logged score equals 0.5 x the RM on the rendered text (its own template and tokens) + 2 x the function
+    rm = AutoModelForSequenceClassification.from_pretrained(files / "other_rm").eval()
+    rm_tok = AutoTokenizer.from_pretrained(files / "other_rm")
+    answers = {json.dumps(json.loads(line)["prompt"]): json.loads(line)["answer"]
+               for line in open(files / "prompts.jsonl")}
+    samples = [json.loads(line) for line in open("runs/test_other_rm/samples.jsonl")]
+    assert len(samples) == 8
+    for s in samples:
+        text = rm_tok.apply_chat_template(s["prompt"] + [{"role": "assistant", "content": s["response"]}], tokenize=False)
+        with torch.no_grad():
+            direct = rm(**rm_tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+        fn = float(answers[json.dumps(s["prompt"])] in s["response"].split())
+        assert abs(s["score"] - (0.5 * direct + 2.0 * fn)) < 1e-4, (s, direct, fn)
+
+
+def test_gold_as_the_reward_function_trains_the_toy_world(world):
+    out, rows = run("test_gold_fn", "--reward-fn", "toy:gold_reward")
+    assert all("objective/reward_model" not in r for r in rows)  # no reward model was loaded
+    gold = [r["objective/gold"] for r in rows]
+    assert gold[0] <= 0.5 and np.mean(gold[-len(gold) // 10:]) >= 0.8, gold
