@@ -835,6 +835,7 @@ def main(args: Args):
         responses = query_responses[:, P:]  # (B, T)
         T = responses.shape[1]
         texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(responses, lengths)], skip_special_tokens=True)
+        t_generate = time.perf_counter() - t0
 
         # 3. no-grad passes in micro-batches, each trimmed to its longest response
         logprobs = torch.zeros(len(queries), T, device=device)  # (B, T)
@@ -923,6 +924,7 @@ def main(args: Args):
                  "padding or position ids differ, temperature differs, or the generator's weights are stale")
 
         # 9. log, save
+        t_log = time.perf_counter()
         stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
         n = stats["tokens"]
         var_returns = masked_var(returns, mask)
@@ -947,7 +949,8 @@ def main(args: Args):
             "ppo/val/response_length": lengths.float().mean().item(),
             "lr/actor": schedulers[0].get_last_lr()[0],
             "ppo/skipped_steps": skipped_steps,
-            "time/rollout_s": t_rollout, "time/update_s": t_update,
+            "time/rollout_s": t_rollout, "time/generate_s": t_generate, "time/update_s": t_update,
+            "time/generated_tokens": global_sum(lengths.sum()).item(), "time/trained_tokens": n,
             "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
                             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         }
@@ -957,8 +960,10 @@ def main(args: Args):
             row["objective/gold"] = float(np.mean([gold(tokenizer.decode(r[: int(n)])) for r, n in zip(responses, lengths)]))
         eval_samples = []
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
+            t_eval = time.perf_counter()
             eval_row, eval_samples = evaluate(update)
             row.update(eval_row)
+            t_log += time.perf_counter() - t_eval
         if world > 1:  # per-rank means over equal slices -> global means (the sums above are global already)
             keys = [k for k in row if k not in ("step", "episode")]
             values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=device)
@@ -973,6 +978,7 @@ def main(args: Args):
                 torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
         if rank != 0:
             continue
+        row["time/log_s"] = time.perf_counter() - t_log  # phase 9 up to here, evaluation and checkpoints excluded
         metrics_file.write(json.dumps(row) + "\n")
         metrics_file.flush()
         bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")

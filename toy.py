@@ -32,7 +32,7 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 WORDS = ["the", "was", "is", "my", "i", "think", "here", "review", "of", ":", "very", "and", "but", "."]
 VOCAB = SPECIALS + WORDS + NOUNS + POSITIVE + NEGATIVE
 MAX_ADJECTIVES = 4
-VERSION = 1  # bump to rebuild cached worlds after a change here
+VERSION = 2  # bump to rebuild cached worlds after a change here
 
 
 def gold(response: str) -> float:
@@ -109,7 +109,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_config(tok, hidden=64, layers=2) -> LlamaConfig:
     return LlamaConfig(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=4 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,  # head_dim 32: vLLM's CPU attention needs >= 32
                        max_position_embeddings=128, tie_word_embeddings=False, num_labels=1,
                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                        bos_token_id=tok.bos_token_id)
