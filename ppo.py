@@ -13,7 +13,8 @@ One update (the numbered phases in `main` and in the README):
   6. whiten the advantages over valid tokens
   7. K epochs x minibatches x micro-batches of the clipped policy loss and the clipped value loss
   8. health check: before the first step the importance ratio must be exactly 1
-  9. log, save
+  9. push the new weights into the vLLM engine (with --vllm)
+ 10. log, save
 
 Four models: policy (trained), reference (frozen copy of the initial policy), reward model
 (sequence classifier with one output, frozen), critic (trained; starts from the reward model as in
@@ -40,14 +41,11 @@ Choices worth knowing (each one broke a real trainer somewhere):
   coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
   from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
   run in the prompt stream; nothing here draws from numpy's global generator.
-- Not here yet, each with an open issue: KL in the loss instead of the reward (GRPO style),
-  vLLM generation with its log-prob gap measured and corrected by truncated importance sampling,
-  a reward model with its own tokenizer (today it must share the policy's), prompt datasets and
-  reward functions, PPO-ptx. With HF `generate` the rollout and the trainer are the same model, so
-  phase 8 covers the engine mismatch that vLLM would bring.
+- Not here yet: KL in the loss instead of the reward (GRPO style) and PPO-ptx (open issue);
+  --vllm and --resume under torchrun. With HF `generate` the sampler is the trained model itself;
+  with --vllm the engine's log-probs are compared with the trainer's every update (rollout/*).
 - Under torchrun every statistic that defines the update is global (whitening, the loss divisor,
   the adaptive-KL input, the metrics), so N ranks run the same algorithm as one process.
-  Not yet here: resume under torchrun, offloading the frozen models, activation checkpointing.
 - With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
   clipping and Adam's epsilon; it is kept so runs compare with the N+ recipe line by line.
 
