@@ -177,8 +177,11 @@ class Args:
     # reward
     kl_coef: float = 0.05
     """beta, the per-token KL penalty in the reward (N+: 0.05; InstructGPT: 0.02)"""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """k1 = log p - log p_ref (unbiased); k3 = (r - 1) - log r, r = p_ref / p (non-negative, lower variance)"""
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    """per-token KL estimate (http://joschu.net/blog/kl-approx.html): k1 = log p - log p_ref (unbiased);
+    k2 = (log p - log p_ref)^2 / 2; k3 = (r - 1) - log r, r = p_ref / p (>= 0, low variance); abs = |k1|"""
+    kl_in_loss: bool = False
+    """put beta * KL in the loss (GRPO style) instead of the reward (InstructGPT, default)"""
     kl_target: Optional[float] = None
     """adaptive KL controller of Ziegler et al. 2019: the KL per response to aim at (None = fixed beta)"""
     kl_horizon: int = 10000
@@ -195,6 +198,17 @@ class Args:
     """discount; 1 for bounded responses"""
     lam: float = 0.95
     """GAE lambda (N+: 0.95)"""
+    critic_lam: Optional[float] = None
+    """decoupled GAE (VAPO): a lambda of its own for the critic's targets (VAPO: 1.0; None = --lam)"""
+    lam_alpha: Optional[float] = None
+    """length-adaptive lambda of VAPO for the policy, 1 - 1 / (alpha * length) (VAPO: 0.05; None = off)"""
+    adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
+    """GAE with the critic; or critic-free, one advantage per response against its group of samples:
+    grpo = score - group mean (over the group std, see --group-std), rloo = score - mean of the others"""
+    group_size: int = 1
+    """responses sampled per prompt (the groups of grpo / rloo)"""
+    group_std: bool = True
+    """grpo: divide by the group's standard deviation (Dr. GRPO drops it)"""
     whiten_advantages: bool = True
     """normalise advantages to mean 0, std 1 over valid tokens"""
 
@@ -208,12 +222,27 @@ class Args:
     minibatch); None = a rank's whole share of the minibatch"""
     clip_eps: float = 0.2
     """policy ratio clip (N+: 0.2)"""
+    clip_eps_high: Optional[float] = None
+    """asymmetric clip: the upper bound 1 + clip_eps_high (DAPO: 0.28; None = --clip-eps)"""
+    dual_clip: Optional[float] = None
+    """dual clip for negative advantages: the loss is at most -c * A (Ye et al. 2020: c = 3; None = off)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"] = "token-mean"
+    """how tokens count in the policy loss: each token the same; each response the same; or summed per
+    response and divided by a constant, --response-length (Dr. GRPO's fix for the length bias)"""
+    target_kl: Optional[float] = None
+    """stop this update's epochs once a minibatch's approx-KL exceeds this (CleanRL; None = off)"""
     value_clip_eps: Optional[float] = 0.2
     """value clip around the rollout-time values (N+: 0.2; None = no value clipping)"""
     vf_coef: float = 0.1
     """value loss coefficient (N+: 0.1)"""
     ent_coef: float = 0.0
     """entropy bonus coefficient (0 = off)"""
+    critic_warmup_updates: int = 0
+    """updates that train only the critic before the policy moves (VAPO's value pre-training)"""
+    ptx_coef: float = 0.0
+    """PPO-ptx (InstructGPT): weight of a language-modelling loss on --ptx-dataset (0 = off)"""
+    ptx_dataset: Optional[str] = None
+    """texts for PPO-ptx: a .jsonl/.json/.parquet file with a `text` column (toy world: its SFT corpus)"""
     learning_rate: float = 3e-4
     """actor AdamW learning rate; fits the 130K-parameter toy (N+ uses 3e-6 on 1B-6.9B models)"""
     critic_learning_rate: float = 1e-3
@@ -268,9 +297,13 @@ def response_lengths(responses, eos_token_id):
 
 def kl_penalty(logprobs, ref_logprobs, estimator):
     """Per-token KL(pi || pi_ref) estimate from samples of pi (http://joschu.net/blog/kl-approx.html)."""
-    if estimator == "k1":
-        return logprobs - ref_logprobs  # (B, T): unbiased, can be negative per token
     log_r = ref_logprobs - logprobs  # (B, T): log(p_ref / p)
+    if estimator == "k1":
+        return -log_r  # (B, T): unbiased, can be negative per token
+    if estimator == "k2":
+        return 0.5 * log_r ** 2  # (B, T): >= 0, biased, low variance
+    if estimator == "abs":
+        return log_r.abs()  # (B, T)
     return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
 
 
@@ -340,21 +373,22 @@ def state_values(value_model, query_responses, attention_mask, P):
     return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, weights=None):
-    """Clipped surrogate, summed over valid tokens: max(-A r, -A clip(r)) is min(A r, A clip(r)) negated.
-    `weights`: per-token importance weights correcting for a rollout engine that is not the trainer."""
+def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=None, dual_clip=None):
+    """Per-token clipped surrogate: max(-A r, -A clip(r)), i.e. min(A r, A clip(r)) negated.
+    Returns losses, ratio, logratio and the clipped indicator, all (b, t); padding is the caller's."""
     logratio = new_logprobs - old_logprobs  # (b, t)
     ratio = torch.exp(logratio)  # (b, t), fp32
     pg_losses = -advantages * ratio  # (b, t)
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)  # (b, t)
-    if weights is not None:
-        mask = mask * weights  # (b, t)
-    loss = (torch.max(pg_losses, pg_losses2) * mask).sum()
-    clipped = (pg_losses2 > pg_losses).float() * mask  # (b, t): tokens whose gradient the clip removed
-    return loss, ratio, logratio, clipped
+    high = clip_eps if clip_eps_high is None else clip_eps_high  # asymmetric clip (DAPO's clip-higher)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + high)  # (b, t)
+    losses = torch.max(pg_losses, pg_losses2)  # (b, t): the pessimistic bound
+    if dual_clip is not None:  # A < 0 and a huge ratio: cap the loss at -c A (Ye et al. 2020)
+        losses = torch.where(advantages < 0, torch.min(losses, -dual_clip * advantages), losses)  # (b, t)
+    clipped = (pg_losses2 > pg_losses).float()  # (b, t): tokens whose gradient the clip removed
+    return losses, ratio, logratio, clipped
 
 
-def value_loss(new_values, old_values, returns, mask, value_clip_eps):
+def value_loss(new_values, old_values, returns, value_clip_eps):
     """Squared error, or the larger of it and the error of the value clipped around the rollout-time
     value (never around the current prediction: that would be a no-op)."""
     vf_losses = (new_values - returns) ** 2  # (b, t)
@@ -362,55 +396,81 @@ def value_loss(new_values, old_values, returns, mask, value_clip_eps):
     if value_clip_eps is not None:
         v_clipped = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)  # (b, t)
         vf_losses2 = (v_clipped - returns) ** 2  # (b, t)
-    loss = 0.5 * (torch.max(vf_losses, vf_losses2) * mask).sum()
-    return loss, (vf_losses2 > vf_losses).float() * mask
+    return 0.5 * torch.max(vf_losses, vf_losses2), (vf_losses2 > vf_losses).float()  # (b, t) each
+
+
+def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, response_length):
+    """Each valid token's weight in the policy loss of a minibatch of mb_seqs responses, mb_tokens tokens."""
+    if mode == "token-mean":  # every token counts the same (long responses weigh more)
+        return mask / mb_tokens  # (b, t)
+    if mode == "seq-mean-token-mean":  # every response counts the same, whatever its length
+        return mask / (lengths[:, None] * mb_seqs)  # (b, t)
+    return mask / (mb_seqs * response_length)  # "seq-sum-norm" (Dr. GRPO): a constant divisor, no length bias
+
+
+def group_advantages(seq_rewards, group_size, estimator, divide_by_std=True):
+    """Critic-free advantages, one per response, from the other samples of the same prompt.
+    seq_rewards: (B,) with each prompt's group_size responses side by side."""
+    r = seq_rewards.view(-1, group_size)  # (B/G, G)
+    if estimator == "grpo":  # against the group mean, over the group std (Shao et al. 2024)
+        adv = r - r.mean(1, keepdim=True)  # (B/G, G)
+        return (adv / (r.std(1, keepdim=True) + 1e-6) if divide_by_std else adv).view(-1)  # (B,)
+    return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)  # rloo: the mean of the others (Ahmadian et al. 2024)
 
 
 def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
-    """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed and
-    divided by the valid tokens of the whole minibatch, so the split does not change the gradient."""
-    mask = rollout["mask"]
+    """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed with
+    weights normalised over the whole minibatch (all ranks), so the split does not change the gradient."""
+    mask, lengths = rollout["mask"], rollout["lengths"]
     mb_tokens = global_sum(mask[mb_idx].sum())  # valid tokens of the minibatch on all ranks
+    mb_seqs = global_sum(torch.tensor(float(len(mb_idx)), device=mask.device))  # responses, likewise
     world = dist.get_world_size() if dist.is_initialized() else 1  # FSDP averages gradients over ranks
     stats = dict(pg_loss=0.0, vf_loss=0.0, approxkl=0.0, pg_clip=0.0, vf_clip=0.0, ratio=0.0, tokens=0.0)
     micro = args.micro_batch_size or len(mb_idx)
     for start in range(0, len(mb_idx), micro):
         idx = mb_idx[start: start + micro]  # (b,)
-        t = int(rollout["lengths"][idx].max())  # trim to the longest response of this micro-batch
+        t = int(lengths[idx].max())  # trim to the longest response of this micro-batch
         qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
         am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
         new_logprobs, new_entropy = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0)
-        new_values = state_values(critic, qr, am, P)[:, :t]  # (b, t)
-        is_weights = rollout["is_weights"][idx, :t] if "is_weights" in rollout else None  # (b, t)
-        pg_loss, ratio, logratio, pg_clipped = policy_loss(
-            new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t], mc_mask, args.clip_eps, is_weights)
-        vf_loss, vf_clipped = value_loss(
-            new_values, rollout["values"][idx, :t], rollout["returns"][idx, :t], mc_mask, args.value_clip_eps)
-        loss = pg_loss + args.vf_coef * vf_loss
+        pg_losses, ratio, logratio, pg_clipped = policy_loss(new_logprobs, rollout["logprobs"][idx, :t],
+                                                             rollout["advantages"][idx, :t], args.clip_eps,
+                                                             args.clip_eps_high, args.dual_clip)  # (b, t) each
+        agg = loss_weights(mc_mask, lengths[idx], mb_tokens, mb_seqs, args.loss_agg, args.response_length)  # (b, t)
+        pg_weights = agg * rollout["is_weights"][idx, :t] if "is_weights" in rollout else agg  # (b, t)
+        loss = (pg_losses * pg_weights).sum()
         if args.ent_coef > 0:
-            loss = loss - args.ent_coef * (new_entropy * mc_mask).sum()
-        (loss * world / mb_tokens).backward()
+            loss = loss - args.ent_coef * (new_entropy * agg).sum()
+        if args.kl_in_loss:  # GRPO style: the KL to the reference is a loss term with a gradient
+            kl = kl_penalty(new_logprobs, rollout["ref_logprobs"][idx, :t], args.kl_estimator)  # (b, t)
+            loss = loss + rollout["kl_coef"] * (kl * agg).sum()
+        vf_losses = vf_clipped = torch.zeros_like(mc_mask)  # (b, t): critic-free estimators have no critic
+        if critic is not None:
+            new_values = state_values(critic, qr, am, P)[:, :t]  # (b, t)
+            vf_losses, vf_clipped = value_loss(new_values, rollout["values"][idx, :t], rollout["returns"][idx, :t],
+                                               args.value_clip_eps)  # (b, t) each
+            loss = loss + args.vf_coef * (vf_losses * mc_mask).sum() / mb_tokens
+        (loss * world).backward()
         with torch.no_grad():
             if start == 0:
                 stats["first_ratio_dev"] = ((ratio - 1).abs() * mc_mask).max().item()
-            for k, v in (("pg_loss", pg_loss), ("vf_loss", vf_loss), ("pg_clip", pg_clipped.sum()),
-                         ("vf_clip", vf_clipped.sum()), ("approxkl", 0.5 * (logratio ** 2 * mc_mask).sum()),
-                         ("ratio", (ratio * mc_mask).sum()), ("tokens", mc_mask.sum())):
-                stats[k] += v.item()
+            for k, v in (("pg_loss", pg_losses), ("vf_loss", vf_losses), ("pg_clip", pg_clipped), ("vf_clip", vf_clipped),
+                         ("approxkl", 0.5 * logratio ** 2), ("ratio", ratio), ("tokens", torch.ones_like(ratio))):
+                stats[k] += (v * mc_mask).sum().item()
     return stats
 
 
 def optimizer_step(models, optimizers, max_grad_norm):
-    """Clip each model's gradient norm and step, unless a norm is not finite (then skip the step).
-    Returns whether it stepped and the norms."""
+    """Clip each model's gradient norm and step (the optimizers given; a warming-up critic steps
+    alone), unless a norm is not finite: then skip the step. Returns whether it stepped, the norms."""
     norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm or math.inf) for m in models]
     norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]  # FSDP2: DTensor
     finite = all(map(math.isfinite, norms))
-    for opt in optimizers:
-        if finite:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+    for opt in optimizers if finite else ():
+        opt.step()
+    for m in models:
+        m.zero_grad(set_to_none=True)
     return finite, norms
 
 
@@ -629,7 +689,8 @@ def save_checkpoint(ckpt_root, step, policy, critic, tokenizer, state, keep):
             fail(f"update {step}: the policy has non-finite weights; refusing to checkpoint them")
     policy.save_pretrained(os.path.join(tmp, "policy"))
     tokenizer.save_pretrained(os.path.join(tmp, "policy"))
-    critic.seq_cls.save_pretrained(os.path.join(tmp, "critic"))
+    if critic is not None:
+        critic.seq_cls.save_pretrained(os.path.join(tmp, "critic"))
     torch.save(state, os.path.join(tmp, "state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
@@ -685,6 +746,11 @@ def main(args: Args):
     if world > 1 and args.resume:
         fail("--resume is single-process for now: resume without torchrun")
     local_batch = args.batch_size // world  # rollouts generated, scored and trained on by this rank
+    if args.critic_warmup_updates and args.adv_estimator != "gae":
+        fail("--critic-warmup-updates needs a critic: --adv-estimator gae")
+    if local_batch % args.group_size or (args.adv_estimator != "gae" and args.group_size < 2):
+        fail(f"--group-size {args.group_size} must divide a rank's {local_batch} rollouts, and be >= 2 for "
+             f"--adv-estimator {args.adv_estimator} (it compares the samples of one prompt)")
     num_updates = args.total_episodes // args.batch_size
     if num_updates < 1:
         fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
@@ -738,29 +804,33 @@ def main(args: Args):
     policy = load_model(AutoModelForCausalLM, resume_dir and os.path.join(resume_dir, "policy") or policy_path, "--model", args)
     ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
     reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
-    if resume_dir:
+    if args.adv_estimator != "gae":
+        critic = None  # critic-free: the group of samples is the baseline
+    elif resume_dir:
         critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
     elif critic_init == "scratch":
         config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
-        critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
+        with torch.random.fork_rng():  # a random init that leaves the sampling stream as it was
+            critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
     else:  # from the policy: the backbone is loaded and the scalar head starts fresh
         critic = load_model(AutoModelForSequenceClassification, reward_path if critic_init == "reward" else policy_path,
                             "--critic-init", args, num_labels=1)
-    critic = ValueModel(critic)
+    critic = critic and ValueModel(critic)
+    trained = [m for m in (policy, critic) if m]  # the models with optimizers
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a pad that is not EOS (DESIGN: padding)
         log(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
             f"(id {tokenizer.pad_token_id}) and resized the embeddings")
-    for model in (policy, ref_policy, critic.seq_cls) + ((reward_model.seq_cls,) if reward_model and rm_tokenizer is None else ()):
+    for model in [policy, ref_policy] + [m.seq_cls for m in (critic, reward_model if rm_tokenizer is None else None) if m]:
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
-    policy, ref_policy, critic = (m.to(device) for m in (policy, ref_policy, critic))
+    policy, ref_policy, critic = (m and m.to(device) for m in (policy, ref_policy, critic))
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model = reward_model and reward_model.to(frozen_device)
     ref_policy = ref_policy.to(frozen_device)
     if world > 1:  # FSDP2: sharded per decoder layer; optimizers are built on the shards below
         policy = shard(policy, policy._no_split_modules or [])
-        critic = shard(critic, critic.seq_cls._no_split_modules or [])
+        critic = critic and shard(critic, critic.seq_cls._no_split_modules or [])
         if args.shard_frozen:
             ref_policy = shard(ref_policy, ref_policy._no_split_modules or [])
             reward_model = reward_model and shard(reward_model, reward_model.seq_cls._no_split_modules or [])
@@ -768,7 +838,7 @@ def main(args: Args):
         if frozen:
             frozen.requires_grad_(False)
     if args.gradient_checkpointing:  # HF recomputes only in training mode; dropout is off for good anyway
-        for model in (policy, critic.seq_cls):
+        for model in [m.seq_cls if m is critic else m for m in trained]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # a clean generation config: a checkpoint's own may carry top-k 20, repetition penalties...
     policy.generation_config = GenerationConfig(
@@ -793,6 +863,14 @@ def main(args: Args):
         log(f"truncated {too_long} of {len(prompt_ids + eval_ids)} prompts to their last {args.max_prompt_length} tokens")
         prompt_ids = [p[-args.max_prompt_length:] for p in prompt_ids]
         eval_ids = [p[-args.max_prompt_length:] for p in eval_ids]
+    ptx_ids = []
+    if args.ptx_coef > 0:  # texts for the PPO-ptx loss
+        if args.ptx_dataset is None and args.model != "toy":
+            fail("--ptx-coef needs --ptx-dataset, a file with a `text` column")
+        texts = toy.sft_texts(2048) if args.ptx_dataset is None else load_prompt_rows(
+            Args(dataset=args.ptx_dataset, prompt_column="text", eval_fraction=0))[0]
+        ptx_ids = tokenizer([t if isinstance(t, str) else t["prompt"] for t in texts], truncation=True,
+                            max_length=args.max_prompt_length + args.response_length).input_ids
     prompts = [r["prompt"] for r in prompt_rows]
     columns = [k for k in prompt_rows[0] if k not in ("prompt", args.prompt_column)]  # extra columns for --reward-fn
 
@@ -810,14 +888,15 @@ def main(args: Args):
         return sum(parts.values()), parts
 
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, eps=1e-5)
+    optimizers = [actor_opt] + [torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, eps=1e-5)
+                                for critic in [critic] if critic]  # none for critic-free estimators
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in (actor_opt, critic_opt)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
     kl_coef, first_update, nonfinite_streak, best = args.kl_coef, 1, 0, -math.inf
     if resume_dir is not None:
         state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)
-        actor_opt.load_state_dict(state["actor_opt"])
-        critic_opt.load_state_dict(state["critic_opt"])
+        for opt, sd in zip(optimizers, state["optimizers"]):
+            opt.load_state_dict(sd)
         for sched, sd in zip(schedulers, state["schedulers"]):
             sched.load_state_dict(sd)
         kl_coef, first_update, best = state["kl_coef"], state["step"] + 1, state["best"]
@@ -867,13 +946,13 @@ def main(args: Args):
     def save_models(path):
         """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards
         by every rank and written by rank 0."""
-        policy_state, critic_state = full_state_dict(policy), full_state_dict(critic)
+        policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
         if rank == 0:
-            if critic_state is not None:
-                critic_state = {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
             policy.save_pretrained(os.path.join(path, "policy"), state_dict=policy_state)
             tokenizer.save_pretrained(os.path.join(path, "policy"))
-            critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)
+            if critic is not None:
+                critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
+                critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)
 
     log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
     mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
@@ -884,11 +963,13 @@ def main(args: Args):
         t0 = time.perf_counter()
         # 1. sample prompts (each pass over the prompt set in a fresh order) and generate;
         # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
-        start = (update - 1) * args.batch_size
+        n_prompts = args.batch_size // args.group_size  # each prompt is sampled group_size times
+        start = (update - 1) * n_prompts
         order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(len(prompts))
-                                for k in range(start // len(prompts), (start + args.batch_size - 1) // len(prompts) + 1)])
+                                for k in range(start // len(prompts), (start + n_prompts - 1) // len(prompts) + 1)])
         offset = start - (start // len(prompts)) * len(prompts)
-        batch_idx = order[offset: offset + args.batch_size][rank * local_batch: (rank + 1) * local_batch]
+        batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
+        batch_idx = batch_idx[rank * local_batch: (rank + 1) * local_batch]  # whole groups on each rank
         batch_prompts = [prompts[i] for i in batch_idx]
         query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
             policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
@@ -911,7 +992,8 @@ def main(args: Args):
                 qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
                 logprobs[rows, :t], entropy[rows, :t] = policy_logprobs(policy, qr, am, P, args.temperature, True)
                 ref_logprobs[rows, :t], _ = policy_logprobs(ref_policy, qr, am, P, args.temperature)
-                values_all[rows, :t + 1] = state_values(critic, qr, am, P)
+                if critic is not None:
+                    values_all[rows, :t + 1] = state_values(critic, qr, am, P)
             batch_rows = [prompt_rows[i] for i in batch_idx]
             scores, score_parts = score(batch_rows, query_responses, attention_mask, lengths, P, texts)  # (B,)
         for frozen in (ref_policy, reward_model) if args.offload_frozen else ():  # free the accelerator for phase 7
@@ -927,12 +1009,20 @@ def main(args: Args):
             scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
             bootstrap_value = torch.where(has_eos, 0.0, next_values)  # (B,): ...their future is estimated
         kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
-        rewards, non_score_reward = per_token_rewards(kl, scores, lengths, kl_coef)  # (B, T) each
+        rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef)
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)
 
-        # 5. GAE
-        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)
+        # 5. GAE, or a critic-free baseline from each prompt's group of samples
+        lam = args.lam
+        if args.lam_alpha is not None:  # VAPO: longer responses get a lambda closer to 1
+            lam = 1 - 1 / (args.lam_alpha * lengths.float())  # (B,)
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)
+        if args.critic_lam is not None:  # decoupled GAE (VAPO): the critic's targets with their own lambda
+            _, returns = compute_gae(rewards, values, mask, args.gamma, args.critic_lam, bootstrap_value)
+        if args.adv_estimator != "gae":  # each response's total reward (score + KL penalty) against its group
+            seq_adv = group_advantages(rewards.sum(1), args.group_size, args.adv_estimator, args.group_std)  # (B,)
+            advantages = seq_adv[:, None] * mask  # (B, T): the response's advantage on each of its tokens
 
         # 6. whiten advantages over valid tokens only (padding re-zeroed inside)
         if args.whiten_advantages:
@@ -942,7 +1032,8 @@ def main(args: Args):
         # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
         t1 = time.perf_counter()
         rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
-                       logprobs=logprobs, values=values, advantages=advantages, returns=returns)
+                       logprobs=logprobs, values=values, advantages=advantages, returns=returns,
+                       ref_logprobs=ref_logprobs, kl_coef=kl_coef)
         if llm is not None:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
             engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_trainer_old / p_vllm
             if args.rollout_is_cap is not None:  # truncated importance sampling
@@ -950,8 +1041,10 @@ def main(args: Args):
             if args.vllm_sleep and device.type == "cuda":
                 llm.sleep(level=1)  # the KV cache is freed and the weights go to the CPU during the epochs
         stats, epoch_clipfrac, ratio_at_start, skipped_steps = {}, [], None, 0
-        for model in (policy, critic):  # HF recomputes activations only in training mode (dropout stays off)
+        for model in trained:  # HF recomputes activations only in training mode (dropout stays off)
             model.train(args.gradient_checkpointing)
+        stepping = optimizers if update > args.critic_warmup_updates else optimizers[1:]  # warm-up: critic only
+        early_stop = False
         for epoch in range(args.num_ppo_epochs):
             perm = torch.randperm(len(queries), device=device)  # (B,)
             epoch_stats = {}
@@ -960,7 +1053,12 @@ def main(args: Args):
                 first_ratio_dev = mb_stats.pop("first_ratio_dev")
                 if ratio_at_start is None:  # first micro-batch, before any optimizer step of this update
                     ratio_at_start = first_ratio_dev
-                finite, _ = optimizer_step((policy, critic), (actor_opt, critic_opt), args.max_grad_norm)
+                if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
+                    ptx = tokenizer.pad({"input_ids": [ptx_ids[i] for i in torch.randint(len(ptx_ids), (mb_rows,))]},
+                                        padding_side="right", return_tensors="pt").to(device)
+                    labels = ptx.input_ids.masked_fill(ptx.attention_mask == 0, -100)  # (b, L): no loss on padding
+                    (args.ptx_coef * policy(**ptx, labels=labels).loss).backward()
+                finite, _ = optimizer_step(trained, stepping, args.max_grad_norm)
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1  # a NaN loss gives NaN gradients
                 skipped_steps += not finite
                 if nonfinite_streak >= args.max_nonfinite_steps:
@@ -968,10 +1066,17 @@ def main(args: Args):
                          "gradient; lower the learning rates, check the reward for inf/NaN, or use fp32")
                 for k, v in mb_stats.items():
                     epoch_stats[k] = epoch_stats.get(k, 0.0) + v
+                if args.target_kl is not None:  # CleanRL's early stop, on this minibatch's approx-KL (all ranks)
+                    mb_kl, mb_n = global_sum(torch.tensor([mb_stats["approxkl"], mb_stats["tokens"]], device=device)).tolist()
+                    early_stop = mb_kl / mb_n > args.target_kl
+                if early_stop:
+                    break
             epoch_clipfrac.append(epoch_stats["pg_clip"] / epoch_stats["tokens"])
             for k, v in epoch_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
-        for model in (policy, critic):
+            if early_stop:
+                break
+        for model in trained:
             model.eval()
         for sched in schedulers:
             sched.step()
@@ -1013,7 +1118,8 @@ def main(args: Args):
             "objective/entropy": masked_mean(entropy, mask).item(),
             "ppo/policy/approxkl_avg": stats["approxkl"] / n,
             "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
-            "ppo/policy/clipfrac_epoch1": epoch_clipfrac[0],
+            **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
+            "ppo/epochs": len(epoch_clipfrac),
             "ppo/policy/ratio_at_start": ratio_at_start,
             "ppo/loss/policy_avg": stats["pg_loss"] / n,
             "ppo/loss/value_avg": stats["vf_loss"] / n,
@@ -1054,7 +1160,7 @@ def main(args: Args):
             save_models(os.path.join(run_dir, "best"))
         if args.save_every and update % args.save_every == 0 and world == 1:  # resume is single-process for now
             save_checkpoint(ckpt_root, update, policy, critic, tokenizer, keep=args.keep_checkpoints, state=dict(
-                step=update, kl_coef=kl_coef, best=best, actor_opt=actor_opt.state_dict(), critic_opt=critic_opt.state_dict(),
+                step=update, kl_coef=kl_coef, best=best, optimizers=[opt.state_dict() for opt in optimizers],
                 schedulers=[sch.state_dict() for sch in schedulers], python_rng=random.getstate(),
                 torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
         if rank != 0:

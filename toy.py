@@ -69,6 +69,12 @@ def prompts(n: int, seed: int = 0) -> list[str]:
     return [rng.choice(TEMPLATES).format(rng.choice(NOUNS)) for _ in range(n)]
 
 
+def sft_texts(n: int, seed: int = 99) -> list[str]:
+    """Prompt + response texts from the SFT distribution (the PPO-ptx set of the toy world)."""
+    rng = random.Random(seed)
+    return [p + " " + sample_response(rng) for p in prompts(n, seed)]
+
+
 def sample_response(rng: random.Random, p_positive: float = 0.4) -> str:
     """A well-formed review from the SFT distribution."""
     k = rng.choice([1, 1, 2, 2, 2, 3])

@@ -41,8 +41,8 @@ def test_policy_clip_zeroes_the_gradient_on_the_right_side(sign):
     # ratios 0.5, 0.9, 1.1, 1.5 with eps 0.2: the first and last lie outside the clip range
     new = torch.log(torch.tensor([[0.5, 0.9, 1.1, 1.5]])).requires_grad_()
     adv = torch.full((1, 4), sign)
-    loss, ratio, _, clipped = ppo.policy_loss(new, old, adv, torch.ones(1, 4), clip_eps=0.2)
-    loss.backward()
+    losses, ratio, _, clipped = ppo.policy_loss(new, old, adv, clip_eps=0.2)
+    losses.sum().backward()
     g = new.grad[0]
     assert g[1] != 0 and g[2] != 0  # inside the range: always a gradient
     if sign > 0:  # A > 0: pushing the ratio up is capped at 1 + eps, pushing it up from below is not
@@ -57,14 +57,15 @@ def test_value_clip_is_anchored_on_rollout_values():
     old = torch.tensor([[0.0, 0.0]])
     returns = torch.tensor([[1.0, 1.0]])
     new = torch.tensor([[0.5, 0.1]], requires_grad=True)  # the first moved 0.5 from the rollout value
-    loss, clipped = ppo.value_loss(new, old, returns, torch.ones(1, 2), value_clip_eps=0.2)
+    losses, clipped = ppo.value_loss(new, old, returns, value_clip_eps=0.2)
+    loss = losses.sum()
     loss.backward()
     # first: clipped value 0.2 has the larger error (0.64 > 0.25): the max takes it and its gradient is 0
     assert clipped[0].tolist() == [1.0, 0.0]
     assert new.grad[0, 0] == 0 and new.grad[0, 1] != 0
     torch.testing.assert_close(loss, 0.5 * torch.tensor(0.64 + 0.81))
-    loss_off, clipped_off = ppo.value_loss(new, old, returns, torch.ones(1, 2), value_clip_eps=None)
-    torch.testing.assert_close(loss_off, 0.5 * torch.tensor(0.25 + 0.81))
+    losses_off, clipped_off = ppo.value_loss(new, old, returns, value_clip_eps=None)
+    torch.testing.assert_close(losses_off.sum(), 0.5 * torch.tensor(0.25 + 0.81))
     assert clipped_off.sum() == 0
 
 

@@ -1,0 +1,123 @@
+"""One flag per idea: each variant changes what it should, and the default leaves the reference behaviour."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import ppo
+from gae import compute_gae
+from test_ppo_parts import rollout_batch
+
+
+def test_k2_and_abs_estimators():
+    logp, ref = torch.log(torch.tensor([0.5, 0.25])), torch.log(torch.tensor([0.25, 0.5]))
+    torch.testing.assert_close(ppo.kl_penalty(logp, ref, "k2"), torch.full((2,), 0.5 * math.log(2) ** 2))
+    torch.testing.assert_close(ppo.kl_penalty(logp, ref, "abs"), torch.full((2,), math.log(2)))
+
+
+def test_asymmetric_clip_moves_only_the_upper_bound():
+    old, adv = torch.zeros(1, 2), torch.tensor([[1.0, -1.0]])
+    new = torch.log(torch.tensor([[1.25, 0.75]]))  # above 1 + 0.2 for A > 0, below 1 - 0.2 for A < 0
+    _, _, _, symmetric = ppo.policy_loss(new, old, adv, 0.2)
+    _, _, _, higher = ppo.policy_loss(new, old, adv, 0.2, clip_eps_high=0.28)
+    assert symmetric.tolist() == [[1.0, 1.0]] and higher.tolist() == [[0.0, 1.0]]
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_only():
+    old = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[5.0, 5.0]])).requires_grad_()  # a ratio of 5
+    adv = torch.tensor([[-1.0, 1.0]])
+    plain, *_ = ppo.policy_loss(new, old, adv, 0.2)
+    dual, *_ = ppo.policy_loss(new, old, adv, 0.2, dual_clip=3.0)
+    assert plain[0, 0].item() == pytest.approx(5.0) and dual[0, 0].item() == pytest.approx(3.0)  # -A r = 5, capped at -c A = 3
+    assert dual[0, 1] == plain[0, 1]  # A > 0: untouched
+    dual.sum().backward()
+    assert new.grad[0, 0] == 0  # the capped token no longer pushes
+
+
+def test_loss_weights():
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0]])
+    lengths = torch.tensor([4, 1])
+    token = ppo.loss_weights(mask, lengths, mask.sum(), 2.0, "token-mean", 8)
+    seq = ppo.loss_weights(mask, lengths, mask.sum(), 2.0, "seq-mean-token-mean", 8)
+    norm = ppo.loss_weights(mask, lengths, mask.sum(), 2.0, "seq-sum-norm", 8)
+    torch.testing.assert_close(token.sum(1), torch.tensor([0.8, 0.2]))  # long responses weigh more
+    torch.testing.assert_close(seq.sum(1), torch.tensor([0.5, 0.5]))  # each response the same
+    torch.testing.assert_close(norm[mask.bool()], torch.full((5,), 1 / 16))  # each token the same, constant divisor
+    assert (token[~mask.bool()] == 0).all() and (seq[~mask.bool()] == 0).all() and (norm[~mask.bool()] == 0).all()
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 4.0])  # three groups of two
+    torch.testing.assert_close(ppo.group_advantages(r, 2, "grpo", divide_by_std=False), torch.tensor([-1.0, 1, 0, 0, -1, 1]))
+    torch.testing.assert_close(ppo.group_advantages(r, 2, "rloo"), torch.tensor([-2.0, 2, 0, 0, -2, 2]))
+    g = ppo.group_advantages(torch.tensor([1.0, 2.0, 3.0]), 3, "grpo")
+    torch.testing.assert_close(g, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5, rtol=0)  # over the std (1)
+
+
+def test_per_row_lambda_equals_row_by_row_gae():
+    g = torch.Generator().manual_seed(2)
+    r, v = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    mask = (torch.arange(5) < torch.tensor([[5], [3], [1]])).float()
+    lam = torch.tensor([0.9, 0.5, 0.0])
+    adv, _ = compute_gae(r, v, mask, 1.0, lam)
+    for i in range(3):
+        torch.testing.assert_close(adv[i], compute_gae(r[i:i + 1], v[i:i + 1], mask[i:i + 1], 1.0, float(lam[i]))[0][0])
+
+
+def grads(world, **flags):
+    policy, critic, rollout, P = rollout_batch(world, B=16)
+    rollout.update(ref_logprobs=rollout["logprobs"] - 0.3 * rollout["mask"], kl_coef=flags.pop("kl_coef", 0.0))
+    ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(**flags))
+    return torch.cat([p.grad.flatten() for p in policy.parameters()])
+
+
+def test_kl_in_loss_adds_its_gradient_and_nothing_else(world):
+    base = grads(world)
+    torch.testing.assert_close(grads(world, kl_in_loss=True, kl_coef=0.0), base)  # beta 0: the same update
+    assert (grads(world, kl_in_loss=True, kl_coef=0.5) - base).abs().max() > 1e-4
+
+
+def run(name, *flags):
+    shutil.rmtree(f"runs/{name}", ignore_errors=True)
+    out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, "--total-episodes", "192", *flags],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in open(f"runs/{name}/metrics.jsonl")]
+
+
+def test_critic_warmup_holds_the_policy(world):
+    rows = run("test_warmup", "--critic-warmup-updates", "2")
+    assert [r["ppo/policy/approxkl_avg"] == 0 for r in rows] == [True, True, False]  # the policy moves at update 3
+    assert all(r["ppo/loss/value_avg"] > 0 for r in rows)
+
+
+def test_target_kl_stops_the_epochs(world):
+    rows = run("test_target_kl", "--target-kl", "1e-12", "--num-minibatches", "2")
+    assert all(r["ppo/epochs"] == 1 for r in rows[1:])  # stopped after the first epoch (update 1 is on-policy)
+
+
+def test_critic_free_estimators_load_no_critic(world):
+    for estimator in ("grpo", "rloo"):
+        rows = run(f"test_{estimator}", "--adv-estimator", estimator, "--group-size", "4", "--kl-in-loss",
+                   "--kl-estimator", "k3", "--loss-agg", "seq-sum-norm", "--clip-eps-high", "0.28", "--dual-clip", "3")
+        assert not os.path.exists(f"runs/test_{estimator}/critic")
+        assert all(r["ppo/loss/value_avg"] == 0 and r["objective/non_score_reward"] == 0 for r in rows)
+
+
+def test_ptx_and_vapo_options_change_the_update(world):
+    base = run("test_base", "--total-episodes", "64")
+    for name, flags in (("test_ptx", ["--ptx-coef", "0.5"]),
+                        ("test_vapo", ["--critic-lam", "1.0", "--lam-alpha", "0.05", "--loss-agg", "seq-mean-token-mean",
+                                       "--critic-init", "scratch"])):
+        rows = run(name, "--total-episodes", "64", *flags)
+        assert rows[0]["objective/scores"] == base[0]["objective/scores"]  # the same rollout...
+        a = AutoModelForCausalLM.from_pretrained(f"runs/{name}/policy").lm_head.weight
+        b = AutoModelForCausalLM.from_pretrained("runs/test_base/policy").lm_head.weight
+        assert not torch.equal(a, b)  # ...and a different update
