@@ -11,8 +11,8 @@ timed phases (rollout + PPO epochs + weight push + logging; the few print and fi
 between them are not timed), median over every update but the first of each run (warm-up).
 Phases: generation (HF generate, EOS cut, decode), the no-grad scoring passes (policy, reference,
 critic and reward model forwards, plus rewards, GAE and whitening), the PPO epochs, the weight push
-(0 on the HF path: generation reads the trained weights, there is nothing to push; ppo.py logs
-time/push_s only when it has one) and logging. Peak memory is ppo.py's `mem/peak_mb`: the process's
+(with --vllm only; on the HF path generation reads the trained weights, there is nothing to push
+and the row says n.a.) and logging. Peak memory is ppo.py's `mem/peak_mb`: the process's
 peak RSS on CPU, peak allocated bytes on GPU.
 
 The floor: the model work no PPO trainer can skip, at the same shapes, in this process, on the toy
@@ -25,7 +25,8 @@ checkpoints (runs/toy/policy, runs/toy/reward) and through ppo.py's own helpers:
 Not in the floor: decoding, entropies, KL rewards, GAE, whitening, the PPO loss terms and their
 statistics, the health check and logging: the trainer's overhead is all of that plus any waste, and
 is reported as trainer seconds per update / floor seconds per update - 1. The floor always uses the
-toy world, so pass-through flags that change the models (--model...) make the ratio meaningless.
+toy world and HF generate, so pass-through flags that change the models or the engine (--model,
+--vllm...) make the ratio meaningless.
 
 Output: one table, then one JSON line with the same figures (last line of stdout).
 """
@@ -204,11 +205,11 @@ def main(args, extra):
         res["ratio_update_s"] = res["update_s"] / res["trl_update_s"]
         res["ratio_peak_mem"] = res["peak_mem_mb"] / res["trl_peak_rss_mb"]
 
-    push = "time/push_s" in rows[0]
+    push = "--vllm" in extra  # HF generate shares the trained weights: nothing to push
     print(f"\nbatch {args.batch_size}, response length {args.response_length}, {args.num_ppo_epochs} epochs x "
           f"{args.num_minibatches} minibatch(es); medians of {len(rows)} updates in {args.rounds} run(s), "
           f"device {'cuda' if torch.cuda.is_available() else 'cpu'}")
-    print(f"| {'phase':<34} | {'ppo.py s':>10} | {'floor s':>10} |\n|{'-' * 36}|{'-' * 12}:|{'-' * 12}:|")
+    print(f"| {'phase':<35} | {'ppo.py s':>10} | {'floor s':>10} |\n|{'-' * 37}|{'-' * 11}:|{'-' * 11}:|")
     for name, key, fkey in (("generation", "generate_s", "floor_generate_s"),
                             ("no-grad scoring passes (+ GAE)", "score_s", "floor_score_s"),
                             ("PPO epochs", "ppo_epochs_s", "floor_ppo_epochs_s"),
@@ -216,7 +217,7 @@ def main(args, extra):
                             ("logging", "log_s", None),
                             ("total per update", "update_s", "floor_update_s")):
         floor_cell = f"{res[fkey]:.4f}" if fkey else "-"
-        print(f"| {name:<34} | {res[key]:>10.4f} | {floor_cell:>10} |")
+        print(f"| {name:<35} | {res[key]:>10.4f} | {floor_cell:>10} |")
     print(f"overhead above the floor: {res['overhead_above_floor']:+.1%}")
     print(f"generated tokens/s {res['generated_tokens_per_s']:.0f}, trained tokens/s {res['trained_tokens_per_s']:.0f}, "
           f"peak memory {res['peak_mem_mb']:.0f} MB")
