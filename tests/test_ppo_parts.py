@@ -139,3 +139,17 @@ def test_micro_batches_leave_the_gradient_unchanged(world):
     assert grads[0].abs().max() > 0
     for g in grads[1:]:
         torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_leaves_the_gradient_unchanged(world):
+    grads = []
+    for checkpointing in (False, True):
+        policy, critic, rollout, P = rollout_batch(world, B=16)
+        if checkpointing:
+            for m in (policy, critic.seq_cls):
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                m.train()  # HF recomputes only in training mode, as ppo.main sets it for phase 7
+        ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(micro_batch_size=8))
+        grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
+    assert policy.model.gradient_checkpointing and grads[0].abs().max() > 0
