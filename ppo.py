@@ -124,6 +124,8 @@ class Args:
     """weight of the reward model's score in the total score"""
     reward_fn_weight: float = 1.0
     """weight of --reward-fn in the total score"""
+    critic_model: Optional[str] = None
+    """start the critic from this checkpoint instead (a fresh scalar head unless it has one)"""
     critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
     """critic start: the reward model (InstructGPT, N+), the policy with a fresh scalar head, or random;
     auto = the reward model when it shares the policy's tokenizer, else the policy"""
@@ -499,6 +501,8 @@ def load_prompt_rows(args):
                 [{"prompt": p} for p in toy.prompts(args.eval_size, seed=4321)])
     import datasets
     ext = os.path.splitext(args.dataset)[1]
+    if os.path.isfile(args.dataset) and os.path.getsize(args.dataset) == 0:
+        fail(f"the prompt set is empty: {args.dataset} has no rows")
     try:
         if ext in (".jsonl", ".json", ".parquet"):
             ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=args.dataset)
@@ -506,7 +510,7 @@ def load_prompt_rows(args):
             ds = datasets.load_dataset(args.dataset)
         train = ds[args.train_split]
     except Exception as e:  # a missing file, no network, an unknown split: all one line for the user
-        fail(f"--dataset {args.dataset!r} (split {args.train_split!r}) cannot be loaded: {str(e).strip().splitlines()[0]}")
+        fail(f"--dataset {args.dataset!r} (split {args.train_split!r}) cannot be loaded: {reason(e)}")
     if args.prompt_column not in train.column_names:
         fail(f"--dataset has no column {args.prompt_column!r} (it has {train.column_names}): set --prompt-column")
     if args.eval_split is not None:
@@ -653,13 +657,18 @@ def fail(msg):
     raise UsageError(msg)
 
 
+def reason(e):
+    """The first line of an exception's message, or its type when it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def load_model(cls, path, flag, args, **kw):
     """An HF checkpoint as `cls` (safetensors only, no remote code unless asked), dropout off;
     or a one-line error saying why it cannot be."""
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
-        fail(f"{flag} {path!r} cannot be loaded: {str(e).strip().splitlines()[0]}")
+        fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
     archs = config.architectures or []
     if cls is AutoModelForCausalLM and archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         fail(f"{flag} {path!r} is a {archs[0]}, not a causal language model")
@@ -675,7 +684,7 @@ def load_tokenizer(path, flag, args, **kw):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kw)
     except (OSError, ValueError) as e:
-        fail(f"{flag} {path!r} cannot be loaded: {str(e).strip().splitlines()[0]}")
+        fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
 
 
 def save_checkpoint(ckpt_root, step, policy, critic, tokenizer, state, keep):
@@ -799,7 +808,7 @@ def main(args: Args):
     critic_init = args.critic_init
     if critic_init == "auto":
         critic_init = "reward" if reward_path is not None and rm_tokenizer is None else "policy"
-    if critic_init == "reward" and (reward_path is None or rm_tokenizer is not None):
+    if critic_init == "reward" and not args.critic_model and (reward_path is None or rm_tokenizer is not None):
         fail("--critic-init reward needs a reward model that shares the policy's tokenizer; use --critic-init policy")
     policy = load_model(AutoModelForCausalLM, resume_dir and os.path.join(resume_dir, "policy") or policy_path, "--model", args)
     ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
@@ -812,9 +821,9 @@ def main(args: Args):
         config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
         with torch.random.fork_rng():  # a random init that leaves the sampling stream as it was
             critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
-    else:  # from the policy: the backbone is loaded and the scalar head starts fresh
-        critic = load_model(AutoModelForSequenceClassification, reward_path if critic_init == "reward" else policy_path,
-                            "--critic-init", args, num_labels=1)
+    else:  # from the policy or another checkpoint: the backbone is loaded and the scalar head starts fresh
+        critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
+        critic = load_model(AutoModelForSequenceClassification, critic_path, "--critic-model", args, num_labels=1)
     critic = critic and ValueModel(critic)
     trained = [m for m in (policy, critic) if m]  # the models with optimizers
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:

@@ -92,3 +92,10 @@ def test_run_name_already_used(world):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "already holds a run: continue it with --resume auto" in out.stderr
     assert open("runs/test_used/metrics.jsonl").read() == '{"step": 1}\n'  # nothing overwritten
+
+
+def test_empty_prompt_set(world, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    out = run("--dataset", str(tmp_path / "empty.jsonl"))
+    assert out.returncode == 2 and "the prompt set is empty" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

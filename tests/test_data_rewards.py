@@ -62,10 +62,10 @@ def files(world, tmp_path_factory):
     return root
 
 
-def test_chat_dataset_reward_fn_with_column_and_eval(files):
+def test_chat_dataset_reward_fn_with_column_and_eval(files, world):
     out, rows = run("test_data", "--model", str(files / "chat_policy"), "--dataset", str(files / "prompts.jsonl"),
                     "--reward-fn", f"{files}/my_reward.py:reward", "--total-episodes", "128", "--eval-every", "1",
-                    "--eval-fraction", "0.1", "--keep-best", "eval/score")
+                    "--eval-fraction", "0.1", "--keep-best", "eval/score", "--critic-model", world[1])
     assert "critic" in os.listdir("runs/test_data")
     for r in rows:
         assert 0 <= r["objective/reward_fn"] <= 1 and "objective/reward_model" not in r
