@@ -148,7 +148,7 @@ def measure_floor(args, prompt_ids):
                 idx = perm[start: start + mb_rows]  # (b,)
                 t = int(lengths[idx].max())  # trimmed to the longest response, as in the trainer
                 mb_qr, mb_am, mb_mask = qr[idx, :P + t], am[idx, :P + t], mask[idx, :t]  # (b, P+t), (b, t)
-                logprobs, _ = ppo.policy_logprobs(policy, mb_qr, mb_am, P, args.temperature)  # (b, t)
+                logprobs, _, _ = ppo.policy_logprobs(policy, mb_qr, mb_am, P, args.temperature)  # (b, t)
                 values = ppo.state_values(critic, mb_qr, mb_am, P)[:, :t]  # (b, t)
                 ((logprobs * mb_mask).sum() + (values * mb_mask).sum()).div(mb_mask.sum()).backward()
                 ppo.optimizer_step((policy, critic), optimizers, 1.0)

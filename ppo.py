@@ -35,14 +35,14 @@ Choices worth knowing (each one broke a real trainer somewhere):
   so splitting a minibatch into micro-batches does not change the gradient.
 - The value loss clips around the values stored at rollout time, not around the current
   prediction (a no-op) nor the previous epoch's.
-- top-p / top-k sampling is refused: the trainer would score tokens outside the sampled support,
+- top-p / top-k sampling is refused unless --keep-sampling-mask keeps the sampler's support and
+  scores every pass on it: otherwise the trainer would score tokens outside the sampled support,
   and the importance ratio is unbounded there.
 - Resume is exact: a checkpoint holds the weights, both optimizers and schedulers, the KL
   coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
   from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
   run in the prompt stream; nothing here draws from numpy's global generator.
-- Not here yet: KL in the loss instead of the reward (GRPO style) and PPO-ptx (open issue);
-  --vllm and --resume under torchrun. With HF `generate` the sampler is the trained model itself;
+- Not here yet: --vllm and --resume under torchrun; top-p / top-k with --vllm. With HF `generate` the sampler is the trained model itself;
   with --vllm the engine's log-probs are compared with the trainer's every update (rollout/*).
 - Under torchrun every statistic that defines the update is global (whitening, the loss divisor,
   the adaptive-KL input, the metrics), so N ranks run the same algorithm as one process.
@@ -160,9 +160,12 @@ class Args:
     temperature: float = 0.7
     """sampling temperature; every log-prob is taken at this temperature (N+: 0.7)"""
     top_p: float = 1.0
-    """nucleus sampling; only 1.0 is supported (see the docstring)"""
+    """nucleus sampling (1.0 = off); needs --keep-sampling-mask"""
     top_k: int = 0
-    """top-k sampling, 0 = off; only 0 is supported (see the docstring)"""
+    """top-k sampling (0 = off); needs --keep-sampling-mask"""
+    keep_sampling_mask: bool = False
+    """with top-p / top-k: every log-prob (old, new) on the truncated distribution the sampler drew from,
+    its mask kept from the rollout (DeepSeek-V3.2); the reference stays the full softmax"""
     vllm: bool = False
     """generate with a vLLM engine in this process, fed the new weights after every update"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -318,15 +321,29 @@ def per_token_rewards(kl, scores, lengths, kl_coef):
     return rewards, non_score_reward
 
 
-def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
-    """Log-prob of `tokens` under softmax(logits / T), by gather and logsumexp (no (b, T, V) log-softmax copy)."""
+def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, keep=None):
+    """Log-prob of `tokens` under softmax(logits / T), by gather and logsumexp (no (b, T, V) log-softmax
+    copy). `keep` (b, T, V) bool: the distribution truncated to the tokens the sampler could draw."""
     logits = logits.float() / temperature  # (b, T, V) fp32
+    if keep is not None:
+        logits = logits.masked_fill(~keep, -math.inf)  # (b, T, V)
     lse = torch.logsumexp(logits, -1)  # (b, T)
     logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse  # (b, T)
     if not with_entropy:
         return logprobs, None
-    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # (b, T): H = lse - E[logit]
-    return logprobs, entropy
+    expected = (torch.softmax(logits, -1) * logits.nan_to_num(neginf=0.0)).sum(-1)  # (b, T): E[logit], 0 x -inf = 0
+    return logprobs, lse - expected  # (b, T): H = lse - E[logit]
+
+
+def sampling_mask(scaled_logits, top_k, top_p):
+    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
+    if top_k > 0:
+        flat = TopKLogitsWarper(top_k)(None, flat)
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p)(None, flat)
+    return (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
 
 
 def disable_dropout(model):
@@ -362,11 +379,16 @@ def forward(model, query_responses, attention_mask, **kw):
                      use_cache=False, **kw)
 
 
-def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False):
-    """Log-probs (and entropies) of the response tokens, positions P..P+T-1."""
+def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None):
+    """Log-probs and entropies of the response tokens, positions P..P+T-1, and the sampling mask:
+    `keep` is None (the full softmax), a (b, T, V) mask to apply, or (top_k, top_p) to derive it
+    from these logits, as at rollout time (the keep-sampling-mask of DeepSeek-V3.2)."""
     T = query_responses.shape[1] - P
-    logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits  # (b, T+1, V)
-    return logprobs_from_logits(logits[:, :-1], query_responses[:, P:], temperature, with_entropy)
+    logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
+    if isinstance(keep, tuple):
+        keep = sampling_mask(logits.float() / temperature, *keep)  # (b, T, V)
+        keep |= (attention_mask[:, P:] == 0)[..., None]  # padding is not sampled: no mask, no -inf log-probs
+    return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, keep), keep
 
 
 def state_values(value_model, query_responses, attention_mask, P):
@@ -435,7 +457,8 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
         qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
         am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
-        new_logprobs, new_entropy = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0)
+        keep = rollout["keep"][idx, :t] if "keep" in rollout else None  # (b, t, V): the sampler's support
+        new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0, keep)
         pg_losses, ratio, logratio, pg_clipped = policy_loss(new_logprobs, rollout["logprobs"][idx, :t],
                                                              rollout["advantages"][idx, :t], args.clip_eps,
                                                              args.clip_eps_high, args.dual_clip)  # (b, t) each
@@ -738,9 +761,12 @@ def main(args: Args):
     run_name = run_name[0]
     run_dir = os.path.join("runs", run_name)
     log = print if rank == 0 else (lambda *a, **k: None)
-    if args.top_p != 1.0 or args.top_k != 0:
+    truncation = (args.top_k, args.top_p) if args.top_p != 1.0 or args.top_k != 0 else None
+    if truncation and not args.keep_sampling_mask:
         fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
-             "(unbounded ratios); use temperature only")
+             "(unbounded ratios): add --keep-sampling-mask, or use temperature only")
+    if truncation and args.vllm:
+        fail("--top-p/--top-k with --vllm are not supported yet: the sampling mask is taken from HF's own filters")
     if args.temperature <= 0:
         fail(f"--temperature must be > 0 (got {args.temperature}): log-probs are taken from logits / T")
     if args.response_length <= 0 or args.max_prompt_length <= 0:
@@ -851,7 +877,7 @@ def main(args: Args):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # a clean generation config: a checkpoint's own may carry top-k 20, repetition penalties...
     policy.generation_config = GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.response_length,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
     llm = None
@@ -992,6 +1018,8 @@ def main(args: Args):
         logprobs = torch.zeros(len(queries), T, device=device)  # (B, T)
         ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
         values_all = torch.zeros(len(queries), T + 1, device=device)  # (B, T+1)
+        if truncation:  # B x T x V booleans: small for the toy, gigabytes for a 150K vocabulary at long T
+            keep_mask = torch.ones(len(queries), T, policy.config.vocab_size, dtype=torch.bool, device=device)
         for frozen in (ref_policy, reward_model) if args.offload_frozen else ():
             frozen and frozen.to(device)
         with torch.no_grad():
@@ -999,8 +1027,11 @@ def main(args: Args):
                 rows = slice(i, i + micro)
                 t = int(lengths[rows].max())
                 qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
-                logprobs[rows, :t], entropy[rows, :t] = policy_logprobs(policy, qr, am, P, args.temperature, True)
-                ref_logprobs[rows, :t], _ = policy_logprobs(ref_policy, qr, am, P, args.temperature)
+                logprobs[rows, :t], entropy[rows, :t], keep = policy_logprobs(policy, qr, am, P, args.temperature, True,
+                                                                              truncation)
+                if keep is not None:  # kept for every later pass of this batch (old and new log-probs alike)
+                    keep_mask[rows, :t] = keep
+                ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, args.temperature)
                 if critic is not None:
                     values_all[rows, :t + 1] = state_values(critic, qr, am, P)
             batch_rows = [prompt_rows[i] for i in batch_idx]
@@ -1043,6 +1074,8 @@ def main(args: Args):
         rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
                        logprobs=logprobs, values=values, advantages=advantages, returns=returns,
                        ref_logprobs=ref_logprobs, kl_coef=kl_coef)
+        if truncation:
+            rollout["keep"] = keep_mask  # (B, T, V)
         if llm is not None:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
             engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_trainer_old / p_vllm
             if args.rollout_is_cap is not None:  # truncated importance sampling

@@ -110,7 +110,7 @@ def rollout_batch(world, B=32, T=0.7, seed=0):
     qr = torch.cat([enc.input_ids, responses], 1)
     am = torch.cat([enc.attention_mask, mask.long()], 1)
     with torch.no_grad():
-        logprobs, _ = ppo.policy_logprobs(policy, qr, am, P, T)
+        logprobs, _, _ = ppo.policy_logprobs(policy, qr, am, P, T)
         values = ppo.state_values(critic, qr, am, P)[:, :Tr] * mask
     g = torch.Generator().manual_seed(seed)
     rollout = dict(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=logprobs,

@@ -121,3 +121,22 @@ def test_ptx_and_vapo_options_change_the_update(world):
         a = AutoModelForCausalLM.from_pretrained(f"runs/{name}/policy").lm_head.weight
         b = AutoModelForCausalLM.from_pretrained("runs/test_base/policy").lm_head.weight
         assert not torch.equal(a, b)  # ...and a different update
+
+
+def test_sampling_mask_keeps_what_hf_keeps():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 4, 50, generator=g) * 2
+    assert (ppo.sampling_mask(logits, 5, 1.0).sum(-1) == 5).all()
+    keep = ppo.sampling_mask(logits, 0, 0.8)
+    p = torch.softmax(logits, -1)
+    kept = (p * keep).sum(-1)
+    smallest = p.masked_fill(~keep, 2.0).min(-1).values
+    assert (kept >= 0.8 - 1e-6).all() and (kept - smallest < 0.8).all()  # the smallest set that reaches 0.8
+    logp, ent = ppo.logprobs_from_logits(logits, logits.argmax(-1), 1.0, True, keep)
+    assert torch.isfinite(ent).all() and (logp > torch.log_softmax(logits, -1).max(-1).values - 1e-6).all()
+
+
+def test_keep_sampling_mask_makes_top_p_and_top_k_trainable(world):
+    rows = run("test_keep_mask", "--top-p", "0.8", "--top-k", "10", "--keep-sampling-mask")
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)  # old and new on the same truncated support
+    assert all(math.isfinite(r["objective/entropy"]) and math.isfinite(r["ppo/loss/policy_avg"]) for r in rows)

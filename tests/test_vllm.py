@@ -36,7 +36,7 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     def gap(model):
         qr, am, lengths, has_eos, mask, P, engine = ppo.generate(model, tok, prompts, torch.device("cpu"), llm=llm)
         with torch.no_grad():
-            trainer, _ = ppo.policy_logprobs(model, qr, am, P, 0.7)
+            trainer, _, _ = ppo.policy_logprobs(model, qr, am, P, 0.7)
         assert mask.sum() > 32 and has_eos.any()
         return ((trainer - engine).abs() * mask).max().item(), (qr, am, lengths, mask, P, engine)
 
@@ -46,7 +46,7 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     old = copy.deepcopy(policy)
     _, (qr, am, lengths, mask, P, engine) = gap(policy)
     with torch.no_grad():
-        old_logprobs, _ = ppo.policy_logprobs(policy, qr, am, P, 0.7)
+        old_logprobs, _, _ = ppo.policy_logprobs(policy, qr, am, P, 0.7)
         values = ppo.state_values(critic, qr, am, P)[:, :-1] * mask
     rollout = dict(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=old_logprobs,
                    values=values, advantages=torch.randn(mask.shape) * mask, returns=torch.randn(mask.shape) * mask)
@@ -57,7 +57,7 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     after, (qr, am, lengths, mask, P, engine) = gap(policy)
     assert after < 1e-3  # the engine now samples from the updated policy...
     with torch.no_grad():
-        stale, _ = ppo.policy_logprobs(old, qr, am, P, 0.7)
+        stale, _, _ = ppo.policy_logprobs(old, qr, am, P, 0.7)
     assert ((stale - engine).abs() * mask).max().item() > 1e-2  # ...and visibly not from the old one
 
 
