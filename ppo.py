@@ -42,8 +42,9 @@ Choices worth knowing (each one broke a real trainer somewhere):
   coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
   from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
   run in the prompt stream; nothing here draws from numpy's global generator.
-- Not here yet: --vllm and --resume under torchrun; top-p / top-k with --vllm. With HF `generate` the sampler is the trained model itself;
-  with --vllm the engine's log-probs are compared with the trainer's every update (rollout/*).
+- Not here yet: --vllm and --offload-frozen under torchrun; top-p / top-k with --vllm. With HF
+  `generate` the sampler is the trained model itself; with --vllm the engine's log-probs are
+  compared with the trainer's every update (rollout/*).
 - Under torchrun every statistic that defines the update is global (whitening, the loss divisor,
   the adaptive-KL input, the metrics), so N ranks run the same algorithm as one process.
 - With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
@@ -710,24 +711,15 @@ def load_tokenizer(path, flag, args, **kw):
         fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
 
 
-def save_checkpoint(ckpt_root, step, policy, critic, tokenizer, state, keep):
-    """Write step_<step>/ under a temporary name and rename it into place: a kill at any moment
-    leaves every earlier checkpoint whole. Then keep only the newest `keep`."""
-    final = os.path.join(ckpt_root, f"step_{step}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for p in policy.parameters():
-        if not torch.isfinite(p).all():
-            fail(f"update {step}: the policy has non-finite weights; refusing to checkpoint them")
-    policy.save_pretrained(os.path.join(tmp, "policy"))
-    tokenizer.save_pretrained(os.path.join(tmp, "policy"))
-    if critic is not None:
-        critic.seq_cls.save_pretrained(os.path.join(tmp, "critic"))
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    for old in list_checkpoints(ckpt_root)[:-keep]:
-        shutil.rmtree(old)
+def optimizer_state(model, opt, load=None):
+    """An optimizer's whole state (FSDP2: gathered onto rank 0's CPU), or load one into it."""
+    if not dist.is_initialized():
+        return opt.state_dict() if load is None else opt.load_state_dict(load)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    if load is None:
+        return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    set_optimizer_state_dict(model, opt, load, options=StateDictOptions(full_state_dict=True))  # every rank shards it
 
 
 def list_checkpoints(ckpt_root):
@@ -741,9 +733,11 @@ def list_checkpoints(ckpt_root):
 def truncate_jsonl(path, last_step):
     """Drop rows written after the checkpoint we resume from, so no row is lost or doubled."""
     if os.path.exists(path):
-        rows = [line for line in open(path) if json.loads(line)["step"] <= last_step]
+        lines = open(path).read().splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n"):
+            lines.pop()  # a row cut short by the kill
         with open(path, "w") as f:
-            f.writelines(rows)
+            f.writelines(line for line in lines if json.loads(line)["step"] <= last_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -778,8 +772,6 @@ def main(args: Args):
     if args.batch_size % (world * args.num_minibatches * (args.micro_batch_size or 1)) != 0:
         fail(f"--batch-size {args.batch_size} must split into {world} rank(s) x --num-minibatches "
              f"{args.num_minibatches} x micro-batches of --micro-batch-size {args.micro_batch_size}")
-    if world > 1 and args.resume:
-        fail("--resume is single-process for now: resume without torchrun")
     local_batch = args.batch_size // world  # rollouts generated, scored and trained on by this rank
     if args.critic_warmup_updates and args.adv_estimator != "gae":
         fail("--critic-warmup-updates needs a critic: --adv-estimator gae")
@@ -929,16 +921,19 @@ def main(args: Args):
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
     kl_coef, first_update, nonfinite_streak, best = args.kl_coef, 1, 0, -math.inf
     if resume_dir is not None:
-        state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)
-        for opt, sd in zip(optimizers, state["optimizers"]):
-            opt.load_state_dict(sd)
+        state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)  # every rank reads it
+        if len(state["rngs"]) != world:
+            fail(f"{resume_dir} was written by {len(state['rngs'])} rank(s): resume it with as many")
+        for model, opt, sd in zip(trained, optimizers, state["optimizers"]):
+            optimizer_state(model, opt, load=sd)
         for sched, sd in zip(schedulers, state["schedulers"]):
             sched.load_state_dict(sd)
         kl_coef, first_update, best = state["kl_coef"], state["step"] + 1, state["best"]
-        random.setstate((state["python_rng"][0], tuple(state["python_rng"][1]), state["python_rng"][2]))
-        torch.set_rng_state(state["torch_rng"])
+        rng = state["rngs"][rank]
+        random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+        torch.set_rng_state(rng["torch"])
         if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+            torch.cuda.set_rng_state_all(rng["cuda"])
     for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):  # resuming: keep the rows up to the checkpoint
         if rank == 0:
             truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
@@ -983,11 +978,36 @@ def main(args: Args):
         by every rank and written by rank 0."""
         policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
         if rank == 0:
+            if not all(torch.isfinite(p).all() for p in (policy_state or policy.state_dict()).values()):
+                fail(f"the policy has non-finite weights; refusing to save them to {path}")
             policy.save_pretrained(os.path.join(path, "policy"), state_dict=policy_state)
             tokenizer.save_pretrained(os.path.join(path, "policy"))
             if critic is not None:
                 critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
                 critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)
+
+    def save_checkpoint(update):
+        """Write step_<update>/ under a temporary name and rename it into place, so a kill at any
+        moment leaves every earlier checkpoint whole; keep the newest --keep-checkpoints."""
+        final = os.path.join(ckpt_root, f"step_{update}")
+        rngs = [None] * world  # each rank's sampler state
+        rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
+                   cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+        if world > 1:
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        optimizer_states = [optimizer_state(m, opt) for m, opt in zip(trained, optimizers)]  # gathered: all ranks
+        if rank == 0:
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+        save_models(final + ".tmp")  # gathered by all ranks, written by rank 0
+        if rank == 0:
+            torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
+                            schedulers=[sch.state_dict() for sch in schedulers]), os.path.join(final + ".tmp", "state.pt"))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(final + ".tmp", final)
+            for old in list_checkpoints(ckpt_root)[:-args.keep_checkpoints]:
+                shutil.rmtree(old)
 
     log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
     mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
@@ -1200,11 +1220,8 @@ def main(args: Args):
         if args.keep_best and row.get(args.keep_best, -math.inf) > best:
             best = row[args.keep_best]
             save_models(os.path.join(run_dir, "best"))
-        if args.save_every and update % args.save_every == 0 and world == 1:  # resume is single-process for now
-            save_checkpoint(ckpt_root, update, policy, critic, tokenizer, keep=args.keep_checkpoints, state=dict(
-                step=update, kl_coef=kl_coef, best=best, optimizers=[opt.state_dict() for opt in optimizers],
-                schedulers=[sch.state_dict() for sch in schedulers], python_rng=random.getstate(),
-                torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
+        if args.save_every and update % args.save_every == 0:
+            save_checkpoint(update)
         if rank != 0:
             continue
         row["time/log_s"] = time.perf_counter() - t_log  # phase 9 up to here, evaluation and checkpoints excluded

@@ -2,16 +2,24 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 
+def free_port():
+    with socket.socket() as s:  # a port nobody holds now, not one a killed run may still hold
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def torchrun(n, *cmd):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                           "--master_port", str(29500 + n), *cmd], capture_output=True, text=True, timeout=600)
+                           "--master_port", str(free_port()), *cmd], capture_output=True, text=True, timeout=600)
 
 
 def test_two_ranks_update_equals_one_process(world, tmp_path):
@@ -43,3 +51,32 @@ def test_two_rank_run_logs_once_per_update_and_saves(world):
     policy = AutoModelForCausalLM.from_pretrained("runs/test_fsdp/policy")
     assert not torch.equal(policy.lm_head.weight, AutoModelForCausalLM.from_pretrained(world[0]).lm_head.weight)
     AutoModelForSequenceClassification.from_pretrained("runs/test_fsdp/critic")
+
+
+def test_two_rank_sigkill_then_resume_is_exact(world):
+    flags = ["--total-episodes", "512", "--save-every", "2", "--sample-every", "1"]
+    for run in ("test_fsdp_straight", "test_fsdp_killed"):
+        shutil.rmtree(f"runs/{run}", ignore_errors=True)
+    out = torchrun(2, "ppo.py", "--run-name", "test_fsdp_straight", *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    proc = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run",  # the test polls first
+                             "--nproc_per_node=2", "--master_port", str(free_port()), "ppo.py",
+                             "--run-name", "test_fsdp_killed", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not os.path.exists("runs/test_fsdp_killed/checkpoints/step_2") and time.time() < deadline:
+        assert proc.poll() is None, "the run to be killed ended by itself"
+        time.sleep(0.005)
+    subprocess.run(["pkill", "-9", "-f", "test_fsdp_killed"])  # the launcher and both ranks (own process groups)
+    proc.wait()
+    while subprocess.run(["pgrep", "-f", "test_fsdp_killed"], capture_output=True).stdout:
+        time.sleep(0.05)
+    assert not os.path.exists("runs/test_fsdp_killed/policy")
+    out = torchrun(2, "ppo.py", "--run-name", "test_fsdp_killed", *flags, "--resume", "auto")
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed_from = int(out.stdout.split("checkpoints/step_")[1].split()[0])
+    assert resumed_from < 8  # resumed mid-run, not restarted and not at the end
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))}  # noqa: E731
+    a, b = ([json.loads(line) for line in open(f"runs/{run}/metrics.jsonl")] for run in ("test_fsdp_straight", "test_fsdp_killed"))
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [strip(r) for r in a] == [strip(r) for r in b]  # every rank's sampler, both optimizers' shards restored

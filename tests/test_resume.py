@@ -89,3 +89,12 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(world, monkeypatch):
     for step in (1, 2):  # the checkpoints written are finite
         sd = torch.load(f"runs/test_nan/checkpoints/step_{step}/state.pt", weights_only=True)
         assert sd["step"] == step
+
+
+def test_a_row_cut_short_by_the_kill_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "objec')
+    ppo.truncate_jsonl(str(path), 3)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    ppo.truncate_jsonl(str(path), 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
