@@ -861,9 +861,9 @@ def main(args: Args):
         if args.shard_frozen:
             ref_policy = shard(ref_policy, ref_policy._no_split_modules or [])
             reward_model = reward_model and shard(reward_model, reward_model.seq_cls._no_split_modules or [])
-    for frozen in (ref_policy, reward_model):
-        if frozen:
-            frozen.requires_grad_(False)
+    frozen = [m for m in (ref_policy, reward_model) if m]  # never trained
+    for model in frozen:
+        model.requires_grad_(False)
     if args.gradient_checkpointing:  # HF recomputes only in training mode; dropout is off for good anyway
         for model in [m.seq_cls if m is critic else m for m in trained]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -1040,8 +1040,8 @@ def main(args: Args):
         values_all = torch.zeros(len(queries), T + 1, device=device)  # (B, T+1)
         if truncation:  # B x T x V booleans: small for the toy, gigabytes for a 150K vocabulary at long T
             keep_mask = torch.ones(len(queries), T, policy.config.vocab_size, dtype=torch.bool, device=device)
-        for frozen in (ref_policy, reward_model) if args.offload_frozen else ():
-            frozen and frozen.to(device)
+        for model in frozen if args.offload_frozen else ():
+            model.to(device)
         with torch.no_grad():
             for i in range(0, len(queries), micro):
                 rows = slice(i, i + micro)
@@ -1056,8 +1056,8 @@ def main(args: Args):
                     values_all[rows, :t + 1] = state_values(critic, qr, am, P)
             batch_rows = [prompt_rows[i] for i in batch_idx]
             scores, score_parts = score(batch_rows, query_responses, attention_mask, lengths, P, texts)  # (B,)
-        for frozen in (ref_policy, reward_model) if args.offload_frozen else ():  # free the accelerator for phase 7
-            frozen and frozen.to("cpu")
+        for model in frozen if args.offload_frozen else ():  # free the accelerator for phase 7
+            model.to("cpu")
         values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
         next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
 
