@@ -898,7 +898,6 @@ def main(args: Args):
             Args(dataset=args.ptx_dataset, prompt_column="text", eval_fraction=0))[0]
         ptx_ids = tokenizer([t if isinstance(t, str) else t["prompt"] for t in texts], truncation=True,
                             max_length=args.max_prompt_length + args.response_length).input_ids
-    prompts = [r["prompt"] for r in prompt_rows]
     columns = [k for k in prompt_rows[0] if k not in ("prompt", args.prompt_column)]  # extra columns for --reward-fn
 
     def score(batch_rows, query_responses, attention_mask, lengths, P, texts):
@@ -1020,12 +1019,13 @@ def main(args: Args):
         # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
         n_prompts = args.batch_size // args.group_size  # each prompt is sampled group_size times
         start = (update - 1) * n_prompts
-        order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(len(prompts))
-                                for k in range(start // len(prompts), (start + n_prompts - 1) // len(prompts) + 1)])
-        offset = start - (start // len(prompts)) * len(prompts)
+        n_rows = len(prompt_rows)
+        order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
+                                for k in range(start // n_rows, (start + n_prompts - 1) // n_rows + 1)])
+        offset = start - (start // n_rows) * n_rows
         batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
         batch_idx = batch_idx[rank * local_batch: (rank + 1) * local_batch]  # whole groups on each rank
-        batch_prompts = [prompts[i] for i in batch_idx]
+        batch_rows = [prompt_rows[i] for i in batch_idx]  # the prompt and any extra columns
         query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
             policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
         queries = query_responses[:, :P]  # (B, P)
@@ -1054,7 +1054,6 @@ def main(args: Args):
                 ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, args.temperature)
                 if critic is not None:
                     values_all[rows, :t + 1] = state_values(critic, qr, am, P)
-            batch_rows = [prompt_rows[i] for i in batch_idx]
             scores, score_parts = score(batch_rows, query_responses, attention_mask, lengths, P, texts)  # (B,)
         for model in frozen if args.offload_frozen else ():  # free the accelerator for phase 7
             model.to("cpu")
@@ -1234,8 +1233,8 @@ def main(args: Args):
                    f"{t_rollout + t_update:.2f}s")
         samples = []
         if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
-            samples = [{"step": update, "prompt": p, "response": r, "score": s}
-                       for p, r, s in list(zip(batch_prompts, texts, scores.tolist()))[:4]]
+            samples = [{"step": update, "prompt": row["prompt"], "response": text, "score": s}
+                       for row, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
         for name, rows_out in (("samples", samples), ("eval_samples", eval_samples)):
             if rows_out:
                 with open(os.path.join(run_dir, f"{name}.jsonl"), "a") as f:
