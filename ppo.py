@@ -661,7 +661,7 @@ def vllm_engine(path, config, args, device):
         return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
                    # under torchrun: an engine per rank on its own device, sampling its own prompts (vLLM's
                    # "external DP"; the ranks share torch.distributed with the trainer but not their batches)
-                   distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+                   distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
                    max_model_len=min(args.max_prompt_length + args.response_length, config.max_position_embeddings),
                    enforce_eager=device.type != "cuda",
