@@ -1231,32 +1231,31 @@ def main(args: Args):
         if args.keep_best and row.get(args.keep_best, -math.inf) > best:
             best = row[args.keep_best]
             save_models(os.path.join(run_dir, "best"))
+        if rank == 0:  # the rows reach the disk before the checkpoint: resuming from step k finds rows 1..k
+            row["time/log_s"] = time.perf_counter() - t_log  # phase 9 up to here, evaluation and checkpoints excluded
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
+            tqdm.write(f"update {update:4d}  score {row['objective/scores']:+.3f}  kl {row['objective/kl']:.3f}  "
+                       + (f"gold {row['objective/gold']:.3f}  " if gold else "")
+                       + f"clipfrac {row['ppo/policy/clipfrac_avg']:.3f}  len {row['ppo/val/response_length']:.1f}  "
+                       f"{t_rollout + t_update:.2f}s")
+            samples = []
+            if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
+                samples = [{"step": update, "prompt": r["prompt"], "response": text, "score": s}
+                           for r, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
+            for name, rows_out in (("samples", samples), ("eval_samples", eval_samples)):
+                if rows_out:
+                    with open(os.path.join(run_dir, f"{name}.jsonl"), "a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows_out)
+            if args.track:
+                wandb.log(row, step=update)
+                for name, rows_out in (("samples", samples), ("eval/samples", eval_samples)):
+                    if rows_out:
+                        table = wandb.Table(columns=list(rows_out[0]), data=[list(r.values()) for r in rows_out])
+                        wandb.log({name: table}, step=update)
         if args.save_every and update % args.save_every == 0:
             save_checkpoint(update)
-        if rank != 0:
-            continue
-        row["time/log_s"] = time.perf_counter() - t_log  # phase 9 up to here, evaluation and checkpoints excluded
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-        bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
-        tqdm.write(f"update {update:4d}  score {row['objective/scores']:+.3f}  kl {row['objective/kl']:.3f}  "
-                   + (f"gold {row['objective/gold']:.3f}  " if gold else "")
-                   + f"clipfrac {row['ppo/policy/clipfrac_avg']:.3f}  len {row['ppo/val/response_length']:.1f}  "
-                   f"{t_rollout + t_update:.2f}s")
-        samples = []
-        if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
-            samples = [{"step": update, "prompt": row["prompt"], "response": text, "score": s}
-                       for row, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
-        for name, rows_out in (("samples", samples), ("eval_samples", eval_samples)):
-            if rows_out:
-                with open(os.path.join(run_dir, f"{name}.jsonl"), "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows_out)
-        if args.track:
-            wandb.log(row, step=update)
-            for name, rows_out in (("samples", samples), ("eval/samples", eval_samples)):
-                if rows_out:
-                    wandb.log({name: wandb.Table(columns=list(rows_out[0]), data=[list(r.values()) for r in rows_out])},
-                              step=update)
 
     save_models(run_dir)
     if rank == 0:

@@ -39,6 +39,9 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(world):
     proc.wait()
     assert os.path.exists("runs/test_killed/checkpoints/step_3/state.pt")
     assert not os.path.exists("runs/test_killed/policy")  # it really died before the end
+    # an update's rows are written before its checkpoint, so a kill right after step_3 appears keeps them
+    assert 3 in [r["step"] for r in metrics("test_killed")]
+    assert 3 in [json.loads(line)["step"] for line in open("runs/test_killed/samples.jsonl")]
 
     resumed = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_killed", *FLAGS, "--resume", "auto"],
                              capture_output=True, text=True, timeout=600)
