@@ -2,8 +2,8 @@
 
     python bench.py                                   # the toy world: batch 64, 32 tokens, 4 epochs, 6 updates
     python bench.py --rounds 2 --kl-coef 0.1          # flags bench.py does not know go to ppo.py as they are
-    python bench.py --rounds 2 --trl-python /work/trlenv/bin/python \\
-        --trl-script /work/shared/bench/trl_ppo_baseline.py   # ours, TRL, ours, TRL at the same settings
+    python bench.py --rounds 2 --trl-python PATH/TO/trl-env/bin/python \\
+        --trl-script ../shared/bench/trl_ppo_baseline.py      # ours, TRL, ours, TRL at the same settings
 
 Ours: ppo.py runs in a subprocess under a fresh run name (its run folder is deleted afterwards) and
 bench.py reads the phase timings it logs in metrics.jsonl. Seconds per update are the sum of the
