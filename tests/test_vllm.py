@@ -79,6 +79,6 @@ def test_two_ranks_each_feed_their_own_engine(world):
     # update; an engine left stale shows a log-prob gap of 0.27 and 0.35 at updates 2 and 3 here
     rows, _ = test_fsdp.two_rank_run("test_vllm_2ranks", "--vllm")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)  # mean over ranks of each rank's largest gap
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)  # the largest gap on either rank
     assert all(r["ppo/policy/ratio_at_start"] < 1e-3 for r in rows)
     AutoModelForCausalLM.from_pretrained("runs/test_vllm_2ranks/policy")
