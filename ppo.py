@@ -671,7 +671,7 @@ def vllm_engine(path, config, args, device):
 
 
 def push_weights(llm, model):
-    """Phase 9: the model's weights into the engine, one tensor at a time. Under FSDP each tensor is
+    """Phase 9: the model's weights into the engine, tensor by tensor. Under FSDP each tensor is
     gathered from the shards as the engine reads it (all ranks read the same names in the same
     order), so no rank ever holds a second whole copy of the policy."""
     from torch.distributed.tensor import DTensor
@@ -889,6 +889,7 @@ def main(args: Args):
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
     llm = None
+    vllm_sleep = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
     if args.vllm:  # built from the initial checkpoint, then fed the current weights (they differ after --resume)
         llm = vllm_engine(policy_path, policy.config, args, device)
         push_weights(llm, policy)
@@ -1115,7 +1116,7 @@ def main(args: Args):
             engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_trainer_old / p_vllm
             if args.rollout_is_cap is not None:  # truncated importance sampling
                 rollout["is_weights"] = engine_ratio.clamp(max=args.rollout_is_cap)  # (B, T)
-            if args.vllm_sleep and device.type == "cuda":
+            if vllm_sleep:
                 llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
         stats, epoch_clipfrac, ratio_at_start, skipped_steps = {}, [], None, 0
         for model in trained:  # HF recomputes activations only in training mode (dropout stays off)
@@ -1175,11 +1176,11 @@ def main(args: Args):
         # 9. push the new weights into the vLLM engine before it samples again
         t_push = time.perf_counter()
         if llm is not None:
-            if args.vllm_sleep and device.type == "cuda":
+            if vllm_sleep:
                 torch.cuda.empty_cache()  # the engine allocates outside torch's cache
                 llm.wake_up(tags=["weights"])  # the weights' memory first, so the KV cache is not yet held
             push_weights(llm, policy)
-            if args.vllm_sleep and device.type == "cuda":
+            if vllm_sleep:
                 llm.wake_up(tags=["kv_cache"])
         t_push = time.perf_counter() - t_push
 
