@@ -1274,6 +1274,10 @@ def main(args: Args):
         if args.track:
             wandb.finish()
         log(f"saved policy and critic to {run_dir}/")
+    if world > 1:  # no rank leaves while another still works: FSDP2's DTensor caches keep the gloo group's worker
+        # threads alive into interpreter exit, where one still letting go of a gathered tensor needs the GIL and
+        # aborts the process (CI saw it on rank 1, which drops its gathers); a barrier gives them time to finish
+        dist.barrier()
     if llm is not None:  # the engine's teardown also destroys torch.distributed's default group
         llm.llm_engine.engine_core.shutdown()
     if world > 1 and dist.is_initialized():
