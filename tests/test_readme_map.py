@@ -1,0 +1,92 @@
+"""The README's map of ppo.py and its table of variant flags say where things are, and stay true.
+
+    python tests/test_readme_map.py     # prints both tables as the file stands, for the README
+"""
+import re
+
+MAP_HEADING, VARIANTS_HEADING = "## Reading ppo.py", "## One flag per idea"
+
+
+def sections(path="ppo.py"):
+    """(title, first line, last line, level) of each banner's section: level 1 for the `# ===` banners,
+    running to the next one; level 2 for the `# --- title ---` banners inside them."""
+    lines = open(path).read().splitlines()
+    starts = [("docstring and imports", 1, 1)]
+    for i, line in enumerate(lines):
+        if line.startswith("# ===") and i + 2 < len(lines) and lines[i + 2].startswith("# ==="):
+            starts.append((lines[i + 1][2:], i + 1, 1))
+        elif m := re.fullmatch(r"# --- (.+?) -+", line):
+            starts.append((m.group(1), i + 1, 2))
+    out = []
+    for k, (title, start, level) in enumerate(starts):
+        nxt = [s for _, s, lv in starts[k + 1:] if lv <= level or level == 2]
+        end = (nxt[0] if nxt else len(lines) + 1) - 1
+        while not lines[end - 1].strip():
+            end -= 1
+        out.append((title, start, end, level))
+    return out
+
+
+def variant_reads(flag, path="ppo.py"):
+    """The lines of ppo.py that read `args.<flag>`, as the README writes them: 12, 40-41."""
+    hits = [i for i, line in enumerate(open(path).read().splitlines(), 1) if re.search(rf"args\.{flag}\b", line)]
+    runs = []
+    for i in hits:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def readme_table(heading):
+    text = open("README.md").read()
+    assert heading in text, heading
+    block = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.splitlines()
+            if line.startswith("|") and not line.startswith("|---")][1:]
+
+
+def map_rows():
+    return [(f"{start}-{end}", ("" if level == 1 else "&nbsp;&nbsp;") + title)
+            for title, start, end, level in sections()]
+
+
+def test_the_map_in_the_readme_matches_the_banners_of_ppo_py():
+    rows = [tuple(r[:2]) for r in readme_table(MAP_HEADING)]
+    assert rows == map_rows(), "README map out of date: run python tests/test_readme_map.py"
+    # the order the issue asks for: flags, the algorithm, main and its loop, then the plumbing
+    majors = [t.split(":")[0].split(",")[0] for t, _, _, level in sections() if level == 1]
+    assert majors == ["docstring and imports", "Flags", "The algorithm", "main", "Plumbing"]
+
+
+def test_the_variant_table_names_the_lines_that_read_each_flag():
+    rows = readme_table(VARIANTS_HEADING)
+    assert len(rows) >= 15
+    for row in rows:
+        flag = re.match(r"`--([\w-]+)", row[0]).group(1).replace("-", "_")
+        assert row[-1] == variant_reads(flag), f"--{flag}: README says {row[-1]}, ppo.py reads it at {variant_reads(flag)}"
+
+
+def test_the_training_loop_comes_first_and_main_stays_short():
+    lines = open("ppo.py").read().splitlines()
+    main = next(i for i, line in enumerate(lines) if line.startswith("def main("))
+    end = next(i for i in range(main + 1, len(lines)) if lines[i] and not lines[i].startswith((" ", "#")))
+    body = lines[main:end]
+    loop = next(i for i, line in enumerate(body) if line.startswith("    for update in "))
+    loop_end = next(i for i in range(loop + 1, len(body)) if body[i].startswith("    ") and not body[i].startswith("     "))
+    assert main + loop_end < 800, "the training loop must end before line 800"
+    assert len(body) <= 220 and loop_end - loop <= 150, (len(body), loop_end - loop)
+    assert not any(re.match(r"\s+def ", x) for x in body), "no function defined inside main"
+    assert max(map(len, lines)) <= 120
+
+
+if __name__ == "__main__":
+    print("| lines | section |\n|---|---|")
+    for span, title in map_rows():
+        print(f"| {span} | {title} |")
+    print()
+    for flag in ("kl_in_loss", "kl_estimator", "kl_target", "clip_eps_high", "dual_clip", "loss_agg", "value_clip_eps",
+                 "critic_init", "critic_warmup_updates", "critic_lam", "lam_alpha", "target_kl", "ptx_coef",
+                 "adv_estimator", "rollout_is_cap", "keep_sampling_mask"):
+        print(f"--{flag.replace('_', '-')}: {variant_reads(flag)}")
