@@ -1,6 +1,7 @@
 """One PPO update of a fixed rollout, under `torchrun --nproc_per_node=N` (N = 1 or 2, gloo).
 Each rank trains on its slice of the same 32 rollouts with FSDP2-sharded models; rank 0 writes the
-full policy and critic parameters to argv[1], for test_fsdp.py to compare across world sizes."""
+gradients of the first minibatch (before any step) and the full policy and critic parameters after four
+epochs to argv[1], for test_fsdp.py to compare across world sizes."""
 import os
 import sys
 
@@ -27,10 +28,17 @@ opts = [torch.optim.AdamW(m.parameters(), lr=3e-4, eps=1e-5) for m in (policy, c
 args = ppo.Args(micro_batch_size=8)
 for epoch in range(4):
     ppo.minibatch_backward(policy, critic, local, torch.arange(len(local["mask"])), P, args)
+    if epoch == 0:  # the accumulated, rank-averaged gradient: AdamW and clipping would hide a lost scale
+        grads = {f"{name}.{k}": (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for name, m in (("policy", policy), ("critic", critic)) for k, p in m.named_parameters()}
     ppo.optimizer_step((policy, critic), opts, args.max_grad_norm)
 states = [ppo.full_state_dict(m) or m.state_dict() for m in (policy, critic)]
 adv = [torch.zeros_like(rollout["advantages"]) for _ in range(world)]
 dist.all_gather(adv, torch.nn.functional.pad(local["advantages"], (0, 0, rows.start, 32 - rows.stop)))
 if rank == 0:
-    torch.save({"policy": states[0], "critic": states[1], "advantages": sum(adv)}, sys.argv[1])
+    torch.save({"policy": states[0], "critic": states[1], "advantages": sum(adv), "grads": grads}, sys.argv[1])
+# as at the end of ppo.main: no rank exits while another still works, or a gloo worker thread freeing a
+# gathered tensor during interpreter exit can abort the process ("terminate called without an active exception")
+del grads, states, adv
+dist.barrier()
 dist.destroy_process_group()

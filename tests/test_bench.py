@@ -18,6 +18,6 @@ def test_bench_prints_a_table_and_a_json_line(world):
     for key in KEYS:
         assert res[key] > 0, key
     assert res["push_s"] >= 0 and "trl_update_s" not in res  # no TRL without --trl-python
-    # the trainer does the floor's work and more, but at these sizes its overhead (a few %) is within the
-    # timing noise of a shared CPU: this catches a floor that times too much, not a few percent
-    assert res["floor_update_s"] < 1.25 * res["update_s"]
+    # no timing is compared with another run's (a shared CPU's noise); within a row the whole update holds
+    # its PPO epochs, so the median of the totals is at least the median of the epochs
+    assert res["update_s"] >= res["ppo_epochs_s"]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -31,7 +32,7 @@ def test_a_few_updates_write_every_metric_and_a_loadable_checkpoint(world):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in KEYS:
         assert all(key in r and r[key] == r[key] for r in rows), key  # present and not NaN
-    assert all(r["ppo/policy/ratio_at_start"] < 1e-3 for r in rows)
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)  # the check's own tolerance is 1e-3
     assert 0 <= rows[-1]["objective/gold"] <= 1 and rows[-1]["episode"] == 192
     assert len(out.stdout.splitlines()) >= 3 and "update    3" in out.stdout
     samples = [json.loads(line) for line in open("runs/test_e2e/samples.jsonl")]
@@ -64,6 +65,7 @@ def test_wandb_offline(world, tmp_path):
     assert found, "no offline wandb run file written"
 
 
+@pytest.mark.fast
 def test_every_args_field_is_read():
     src = open("ppo.py").read()
     tree = ast.parse(src)

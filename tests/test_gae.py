@@ -1,6 +1,9 @@
+import pytest
 import torch
 
 from gae import compute_gae
+
+pytestmark = pytest.mark.fast
 
 
 def test_worked_example():

@@ -7,7 +7,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import ppo
 
+pytestmark = pytest.mark.fast
 EOS, PAD = 1, 0
+T_HOT = 1.3  # not the default 0.7: a pass that ignores --temperature must show
 
 
 def test_lengths_mask_and_reward_on_eos():
@@ -120,20 +122,23 @@ def rollout_batch(world, B=32, T=0.7, seed=0):
 
 
 def test_ratio_is_one_on_a_real_rollout(world):
-    policy, critic, rollout, P = rollout_batch(world)
+    # sampled and scored at T 1.3 (tests/test_oracles.py checks those log-probs against each row alone);
+    # the training pass, on other micro-batches in another order, must find the same log-probs
+    policy, critic, rollout, P = rollout_batch(world, T=T_HOT)
     assert (rollout["lengths"] > 1).any() and (rollout["lengths"] < rollout["mask"].shape[1]).any()
-    args = ppo.Args(micro_batch_size=8)
+    args = ppo.Args(micro_batch_size=8, temperature=T_HOT)
     stats = ppo.minibatch_backward(policy, critic, rollout, torch.randperm(32), P, args)
     assert stats["first_ratio_dev"] < 1e-5
     assert stats["approxkl"] / stats["tokens"] < 1e-10
     assert abs(stats["ratio"] / stats["tokens"] - 1) < 1e-6
 
 
-def test_micro_batches_leave_the_gradient_unchanged(world):
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
+def test_micro_batches_leave_the_gradient_unchanged(world, loss_agg):
     grads = []
     for micro in (32, 16, 8):
         policy, critic, rollout, P = rollout_batch(world)
-        args = ppo.Args(micro_batch_size=micro, ent_coef=0.01)
+        args = ppo.Args(micro_batch_size=micro, ent_coef=0.01, loss_agg=loss_agg)
         ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     assert grads[0].abs().max() > 0

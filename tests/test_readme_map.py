@@ -4,6 +4,9 @@
 """
 import re
 
+import pytest
+
+pytestmark = pytest.mark.fast
 MAP_HEADING, VARIANTS_HEADING = "## Reading ppo.py", "## One flag per idea"
 
 

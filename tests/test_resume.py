@@ -23,12 +23,18 @@ def strip_times(row):
     return {k: v for k, v in row.items() if not k.startswith(("time/", "mem/"))}
 
 
-def test_sigkill_after_checkpoint_then_resume_is_exact(world):
-    for run in ("test_straight", "test_killed"):
-        shutil.rmtree(f"runs/{run}", ignore_errors=True)
-    straight = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_straight", *FLAGS],
-                              capture_output=True, text=True, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+@pytest.fixture(scope="module")
+def straight(world):
+    """A straight 6-update run with checkpoints at 3 and 6, for the tests below (each may run alone)."""
+    shutil.rmtree("runs/test_straight", ignore_errors=True)
+    out = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_straight", *FLAGS],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return "test_straight"
+
+
+def test_sigkill_after_checkpoint_then_resume_is_exact(straight):
+    shutil.rmtree("runs/test_killed", ignore_errors=True)
 
     proc = subprocess.Popen([sys.executable, "ppo.py", "--run-name", "test_killed", *FLAGS],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -36,7 +42,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(world):
     while not os.path.exists("runs/test_killed/checkpoints/step_3") and time.time() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)  # right after the checkpoint at update 3 is in place
-    proc.wait()
+    proc.wait(timeout=60)
     assert os.path.exists("runs/test_killed/checkpoints/step_3/state.pt")
     assert not os.path.exists("runs/test_killed/policy")  # it really died before the end
     # an update's rows are written before its checkpoint, so a kill right after step_3 appears keeps them
@@ -55,10 +61,10 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(world):
     assert sa == sb
 
 
-def test_interrupted_checkpoint_write_leaves_the_previous_one(world):
-    run = "test_straight"
-    if not os.path.exists(f"runs/{run}/checkpoints/step_6"):
-        pytest.skip("needs the run of the test above")
+def test_interrupted_checkpoint_write_leaves_the_previous_one(straight, tmp_path):
+    run = "test_interrupted"
+    shutil.rmtree(f"runs/{run}", ignore_errors=True)
+    shutil.copytree(f"runs/{straight}", f"runs/{run}")  # a copy: the straight run stays as it was
     root = f"runs/{run}/checkpoints"
     # what a kill in the middle of save_checkpoint leaves: a half-written temporary folder
     os.makedirs(f"{root}/step_9.tmp/policy")

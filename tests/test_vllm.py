@@ -69,7 +69,7 @@ def test_toy_run_through_vllm_reaches_the_gold_target(world):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open("runs/test_vllm/metrics.jsonl")]
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
-    assert all(r["ppo/policy/ratio_at_start"] < 1e-3 for r in rows)
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)
     gold = [r["objective/gold"] for r in rows]
     assert gold[0] <= 0.5 and np.mean(gold[-len(gold) // 10:]) >= 0.8, gold
 
@@ -80,5 +80,5 @@ def test_two_ranks_each_feed_their_own_engine(world):
     rows, _ = test_fsdp.two_rank_run("test_vllm_2ranks", "--vllm")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)  # the largest gap on either rank
-    assert all(r["ppo/policy/ratio_at_start"] < 1e-3 for r in rows)
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)
     AutoModelForCausalLM.from_pretrained("runs/test_vllm_2ranks/policy")

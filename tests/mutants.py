@@ -1,0 +1,168 @@
+"""Mutation check: bugs that real PPO trainers have had, each a one-line edit of ppo.py or gae.py, and the
+fast tests that must fail on each.
+
+    python tests/mutants.py                  # every mutant; prints a table: mutant -> the test that killed it
+    python tests/mutants.py --all            # every test that kills each mutant, not only the first (slower)
+    python tests/mutants.py --only kl-swapped-in-reward position-ids-arange
+
+Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, toy.py, bench.py, tests/ and
+the toy world under runs/toy), where `python -m pytest -m fast tests` runs (with -x unless --all). A mutant
+the fast subset lets pass is a hole in the suite: the runner exits 1. The unmutated copy must pass first.
+Tests about the layout (the README map, every flag read) do not count as killers.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, file, the text as it is, the text as the bug has it): each text occurs exactly once in its file
+MUTANTS = [
+    # temperature: every log-prob and the entropy come from logits / T
+    ("temperature-missing-in-rollout-pass", "ppo.py",
+     "policy, qr, am, P, temperature, with_entropy=True,", "policy, qr, am, P, 0.7, with_entropy=True,"),
+    ("temperature-missing-in-reference-pass", "ppo.py",
+     "policy_logprobs(ref_policy, qr, am, P, temperature)", "policy_logprobs(ref_policy, qr, am, P, 0.7)"),
+    ("temperature-missing-in-training-pass", "ppo.py",
+     "policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,",
+     "policy_logprobs(policy, qr, am, P, 0.7, args.ent_coef > 0,"),
+    ("entropy-on-unscaled-logits", "ppo.py",
+     "    return logprobs, lse - expected  # (b, T) each",
+     "    return logprobs, torch.distributions.Categorical(logits=logits * temperature).entropy()"),
+    # position ids with left padding (invisible on RoPE models)
+    ("position-ids-arange", "ppo.py",
+     "    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)",
+     "    position_ids = torch.arange(attention_mask.shape[1]).expand_as(attention_mask)"),
+    ("position-ids-not-passed", "ppo.py",
+     "attention_mask=attention_mask, position_ids=position_ids,\n                     use_cache=False, **kw)",
+     "attention_mask=attention_mask, position_ids=None,\n                     use_cache=False, **kw)"),
+    # the KL at its call sites
+    ("kl-swapped-in-reward", "ppo.py",
+     "kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask",
+     "kl = kl_penalty(ref_logprobs, logprobs, args.kl_estimator) * mask"),
+    ("kl-in-loss-wrong-sign", "ppo.py",
+     'loss = loss + rollout["kl_coef"] * (kl * agg).sum()', 'loss = loss - rollout["kl_coef"] * (kl * agg).sum()'),
+    ("adaptive-kl-wrong-sign", "ppo.py",
+     "kl_coef *= 1 + error * args.batch_size / args.kl_horizon",
+     "kl_coef *= 1 - error * args.batch_size / args.kl_horizon"),
+    # where rewards and values are read
+    ("score-on-the-last-column", "ppo.py",
+     "rewards[torch.arange(len(rewards)), lengths - 1] += scores", "rewards[:, -1] += scores"),
+    ("eos-left-out-of-the-mask", "ppo.py",
+     "return torch.where(is_eos.any(1), first_eos + 1, T)", "return torch.where(is_eos.any(1), first_eos, T)"),
+    ("reward-model-read-one-early", "ppo.py",
+     "scores.append(v.gather(1, lengths[rows, None]).squeeze(1))",
+     "scores.append(v.gather(1, lengths[rows, None] - 1).squeeze(1))"),
+    ("reward-model-read-at-padding", "ppo.py",
+     "scores.append(v.gather(1, lengths[rows, None]).squeeze(1))", "scores.append(v[:, -1])"),
+    ("bootstrap-value-one-off", "ppo.py",
+     "next_values = values_all.gather(1, lengths[:, None]).squeeze(1)",
+     "next_values = values_all.gather(1, lengths[:, None] - 1).squeeze(1)"),
+    ("first-value-column-dropped", "ppo.py",
+     "values = values_all[:, :T] * mask", "values = values_all[:, 1:] * mask"),
+    ("missing-eos-penalty-not-applied", "ppo.py",
+     "scores = torch.where(has_eos, scores, args.missing_eos_penalty)",
+     "scores = torch.where(has_eos, scores, scores + 0 * args.missing_eos_penalty)"),
+    # the losses and their normalisation
+    ("value-clip-around-the-new-values", "ppo.py",
+     'value_loss(new_values, rollout["values"][idx, :t],', "value_loss(new_values, new_values.detach(),"),
+    ("pessimistic-bound-flipped", "ppo.py",
+     "losses = torch.max(pg_losses, pg_losses2)", "losses = torch.min(pg_losses, pg_losses2)"),
+    ("whitening-counts-padding", "ppo.py",
+     "advantages = masked_whiten(advantages, mask)  # (B, T)",
+     "advantages = masked_whiten(advantages, torch.ones_like(mask))  # (B, T)"),
+    ("loss-divided-per-micro-batch", "ppo.py",
+     "agg = loss_weights(mc_mask, lengths[idx], mb_tokens, mb_seqs,",
+     "agg = loss_weights(mc_mask, lengths[idx], mc_mask.sum(), mb_seqs,"),
+    ("loss-times-world-dropped", "ppo.py", "(loss * world).backward()", "loss.backward()"),
+    # top-k / top-p: the sampler's support
+    ("support-not-built-at-rollout", "ppo.py",
+     "with_entropy=True, sampler_filter=sampler_filter)", "with_entropy=True, sampler_filter=None)"),
+    # the state the loop changes, and the warm-up
+    ("kl-coef-not-restored", "ppo.py",
+     "kl_coef, first_update, best = restore(", "_, first_update, best = restore("),
+    ("best-not-restored", "ppo.py",
+     "kl_coef, first_update, best = restore(", "kl_coef, first_update, _ = restore("),
+    ("critic-warmup-steps-no-optimizer", "ppo.py",
+     "else optimizers[1:]  # warm-up: critic only", "else []  # warm-up: critic only"),
+    ("critic-warmup-steps-the-policy", "ppo.py",
+     "else optimizers[1:]  # warm-up: critic only", "else optimizers  # warm-up: critic only"),
+    # the health check and what it guards
+    ("ratio-check-never-fires", "ppo.py",
+     "if ratio_at_start > args.ratio_check_tol:", "if ratio_at_start > args.ratio_check_tol and False:"),
+    ("attention-dropout-left-on", "ppo.py",
+     "            m.attention_dropout = 0.0", "            m.attention_dropout = m.attention_dropout"),
+    # GAE
+    ("gae-gamma-and-lambda-swapped", "gae.py",
+     "delta = rewards[:, t] + gamma * nextvalues - values[:, t]",
+     "delta = rewards[:, t] + lam * nextvalues - values[:, t]"),
+    ("gae-bootstrap-not-carried-over-padding", "gae.py",
+     "nextvalues = torch.where(valid.bool(), values[:, t], nextvalues)", "nextvalues = values[:, t]"),
+]
+NOT_KILLERS = ["--ignore=tests/test_readme_map.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
+
+
+def scratch_copy():
+    root = tempfile.mkdtemp(prefix="mutants_")
+    for name in ("ppo.py", "gae.py", "toy.py", "bench.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), root)
+    shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if not os.path.exists(os.path.join(ROOT, "runs", "toy", "world.json")):
+        sys.path.insert(0, ROOT)
+        import toy
+        toy.build_world(os.path.join(ROOT, "runs", "toy"))
+    shutil.copytree(os.path.join(ROOT, "runs", "toy"), os.path.join(root, "runs", "toy"))
+    return root
+
+
+def run_fast(root, stop_at_first):
+    """The fast tests in `root`: (seconds, the ids of the tests that failed or errored)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "fast", "-p", "no:cacheprovider", "--timeout=300",
+           "-rfE", *NOT_KILLERS, "tests"] + (["-x"] if stop_at_first else [])
+    t = time.time()
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out.stdout, re.M)
+    if out.returncode not in (0, 1) and not failed:  # a crash of pytest itself
+        failed = [f"pytest exit {out.returncode}: {out.stdout[-300:]}"]
+    return time.time() - t, [f.split("tests/")[-1] for f in failed]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="list every killing test, not only the first")
+    parser.add_argument("--only", nargs="*", help="names of the mutants to run")
+    opts = parser.parse_args()
+    chosen = [m for m in MUTANTS if not opts.only or m[0] in opts.only]
+    root = scratch_copy()
+    try:
+        seconds, failed = run_fast(root, stop_at_first=False)
+        print(f"unmutated: the fast subset takes {seconds:.0f} s, " + (f"FAILS {failed}" if failed else "passes"))
+        if failed:
+            sys.exit(1)
+        originals = {f: open(os.path.join(root, f)).read() for f in ("ppo.py", "gae.py")}
+        survivors = []
+        print(f"\n| mutant | killed by | s |\n|---|---|---:|")
+        for name, path, old, new in chosen:
+            src = originals[path]
+            assert src.count(old) == 1, f"{name}: the text to mutate occurs {src.count(old)} times in {path}"
+            open(os.path.join(root, path), "w").write(src.replace(old, new))
+            seconds, failed = run_fast(root, stop_at_first=not opts.all)
+            open(os.path.join(root, path), "w").write(src)
+            print(f"| {name} | {', '.join(failed) or '**SURVIVED**'} | {seconds:.0f} |", flush=True)
+            if not failed:
+                survivors.append(name)
+        print(f"\n{len(chosen) - len(survivors)} of {len(chosen)} mutants killed" +
+              (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+        sys.exit(1 if survivors else 0)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

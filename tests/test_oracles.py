@@ -1,0 +1,139 @@
+"""The rollout passes against independent oracles: every log-prob, entropy, value and score that ppo.py
+computes on a left-padded, right-padded batch equals what the plain HF model computes on each row
+alone, with no padding at all. Position ids, temperature, the value and reward read positions and the
+sampler's support each have a way to be silently wrong that these catch (tests/mutants.py lists them)."""
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
+                          GenerationConfig)
+
+import ppo
+import toy
+
+pytestmark = pytest.mark.fast
+T_HOT = 1.3  # not the default 0.7: a pass that ignores --temperature must show
+
+
+def unpadded(qr, am, lengths, P, i):
+    """Row i without any padding, and where its response starts in it."""
+    p = int(am[i, :P].sum())
+    ids = torch.cat([qr[i, P - p:P], qr[i, P:P + int(lengths[i])]])
+    return ids, p
+
+
+def row_logprobs(model, ids, p, n, temperature, top_k=0):
+    """Log-probs of the n response tokens of one unpadded row, from the model's own forward."""
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, p - 1:p - 1 + n].float() / temperature  # (n, V)
+    if top_k:
+        kth = logits.topk(top_k, -1).values[:, -1:]  # (n, 1)
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    logp = torch.log_softmax(logits, -1)  # (n, V)
+    entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)  # (n,)
+    return logp.gather(1, ids[p:p + n, None]).squeeze(1), entropy
+
+
+def sampled_batch(world, temperature=T_HOT, top_k=0, B=16, response_length=8, seed=0):
+    """A real batch from the toy policy through ppo.generate: varied prompt and response lengths, some
+    responses cut by the length limit."""
+    policy_path, _ = world
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    policy = ppo.disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path))
+    policy.generation_config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=1.0,
+                                                max_new_tokens=response_length, eos_token_id=tok.eos_token_id,
+                                                pad_token_id=tok.pad_token_id)
+    prompt_ids = [tok(p).input_ids for p in toy.prompts(B, seed=seed)]
+    qr, am, lengths, has_eos, mask, P, _ = ppo.generate(policy, tok, prompt_ids, torch.device("cpu"))
+    assert len(set(am[:, :P].sum(1).tolist())) > 1 and has_eos.any() and not has_eos.all()  # padding both sides
+    return policy, qr, am, lengths, mask, P
+
+
+def test_rollout_passes_equal_each_row_alone(world):
+    policy, qr, am, lengths, mask, P = sampled_batch(world, response_length=6)
+    ref = AutoModelForCausalLM.from_pretrained(world[0])
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # a reference that differs from the policy
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(world[1]).eval()
+    critic = ppo.ValueModel(seq_cls)
+    logprobs, ref_logprobs, entropy, values, next_values, support = ppo.rollout_passes(
+        policy, ref, critic, qr, am, mask, P, micro=5, temperature=T_HOT)
+    assert support is None
+    for i in range(len(lengths)):
+        ids, p = unpadded(qr, am, lengths, P, i)
+        n = int(lengths[i])
+        want, want_entropy = row_logprobs(policy, ids, p, n, T_HOT)
+        torch.testing.assert_close(logprobs[i, :n], want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy[i, :n], want_entropy, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ref_logprobs[i, :n], row_logprobs(ref, ids, p, n, T_HOT)[0], atol=1e-5, rtol=0)
+        with torch.no_grad():  # V before response token j: the classifier read after prompt + response[:j]
+            want_values = torch.stack([seq_cls(ids[None, :p + j]).logits[0, 0] for j in range(n + 1)])
+        torch.testing.assert_close(values[i, :n], want_values[:n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(next_values[i], want_values[n], atol=1e-5, rtol=0)  # the bootstrap value
+        assert (values[i, n:] == 0).all()
+
+
+def test_reward_model_reads_the_last_real_token(world):
+    _, qr, am, lengths, mask, P = sampled_batch(world, seed=1)
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(world[1]).eval()
+    with torch.no_grad():
+        scores = ppo.reward_model_scores(ppo.ValueModel(seq_cls), None, qr, am, lengths, P, None, micro=6)
+        want = torch.stack([seq_cls(unpadded(qr, am, lengths, P, i)[0][None]).logits[0, 0]
+                            for i in range(len(lengths))])
+    torch.testing.assert_close(scores, want, atol=1e-5, rtol=0)
+
+
+def test_the_support_is_kept_at_rollout_when_top_k_binds(world):
+    policy, qr, am, lengths, mask, P = sampled_batch(world, top_k=2, seed=2)
+    logprobs, _, _, _, _, support = ppo.rollout_passes(policy, policy, None, qr, am, mask, P, micro=16,
+                                                       temperature=T_HOT, sampler_filter=(2, 1.0))
+    assert (support.sum(-1)[mask.bool()] == 2).all()  # two tokens at every sampled position
+    for i in range(len(lengths)):
+        ids, p = unpadded(qr, am, lengths, P, i)
+        n = int(lengths[i])
+        truncated, _ = row_logprobs(policy, ids, p, n, T_HOT, top_k=2)
+        full, _ = row_logprobs(policy, ids, p, n, T_HOT)
+        torch.testing.assert_close(logprobs[i, :n], truncated, atol=1e-5, rtol=0)
+        assert (truncated >= full).all()
+    assert (logprobs - ppo.rollout_passes(policy, policy, None, qr, am, mask, P, 16, T_HOT)[0]).abs().max() > 1e-2
+
+
+def test_learned_absolute_positions_see_no_padding():
+    # GPT-2 adds a learned embedding per position: position ids that ignore the left padding shift every
+    # padded row's positions and change its log-probs (a RoPE model like the toy's would not show it)
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, num_labels=1)
+    lm = AutoModelForCausalLM.from_config(cfg).eval()
+    value_model = ppo.ValueModel(AutoModelForSequenceClassification.from_config(cfg).eval())
+    prompts, responses = [[5, 6, 7], [8, 9, 10, 11, 12, 13]], [[20, 21, 22, 23], [24, 25]]
+    P, T = 6, 4
+    qr = torch.zeros(2, P + T, dtype=torch.long)
+    am = torch.zeros(2, P + T, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        qr[i, P - len(p):P], qr[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
+        am[i, P - len(p):P + len(r)] = 1
+    with torch.no_grad():
+        logprobs, _, _ = ppo.policy_logprobs(lm, qr, am, P, T_HOT)
+        values = ppo.state_values(value_model, qr, am, P)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = torch.tensor(p + r)
+        torch.testing.assert_close(logprobs[i, :len(r)], row_logprobs(lm, ids, len(p), len(r), T_HOT)[0],
+                                   atol=1e-5, rtol=0)
+        with torch.no_grad():
+            want = value_model.seq_cls(ids[None]).logits[0, 0]  # after the last real token
+        torch.testing.assert_close(values[i, len(r)], want, atol=1e-5, rtol=0)
+
+
+def test_value_clip_is_anchored_on_the_rollout_values_in_the_update(world):
+    from test_ppo_parts import rollout_batch
+    policy, critic, rollout, P = rollout_batch(world, B=16)
+    current = rollout["values"]  # what the critic predicts now (rollout_batch took them from it)
+    mask = rollout["mask"]
+    # rollout-time values 1.0 above the current prediction, returns at the prediction: with eps 0.2
+    # the clipped value sits 0.8 from the return, so the clip binds on every token and stops its gradient
+    rollout.update(values=(current + 1.0) * mask, returns=current)
+    stats = ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(micro_batch_size=8))
+    assert stats["vf_clip"] == stats["tokens"] > 0
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in critic.parameters())
