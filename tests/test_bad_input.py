@@ -69,7 +69,7 @@ def test_long_prompts_truncated_and_counted(world):
     assert "truncated" in out.stdout and "prompts to their last 5 tokens" in out.stdout
 
 
-def test_tokenizer_without_pad_is_given_one(world, tmp_path):
+def test_tokenizer_whose_pad_is_eos_pads_with_another_token(world, tmp_path):
     policy_path, reward_path = world
     for src, name in ((policy_path, "policy"), (reward_path, "reward")):
         cls = AutoModelForCausalLM if name == "policy" else AutoModelForSequenceClassification
@@ -79,10 +79,12 @@ def test_tokenizer_without_pad_is_given_one(world, tmp_path):
         tok.save_pretrained(tmp_path / name)
     out = run("--model", str(tmp_path / "policy"), "--reward-model", str(tmp_path / "reward"))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.count("no pad token distinct from EOS") == 1
+    assert out.stdout.count("batches are padded with '<unk>'") == 1  # a token of the vocabulary, not EOS
     saved = AutoTokenizer.from_pretrained("runs/test_bad/policy")
-    assert saved.pad_token_id != saved.eos_token_id
-    assert AutoModelForCausalLM.from_pretrained("runs/test_bad/policy").get_input_embeddings().num_embeddings == len(saved)
+    assert saved.pad_token == saved.eos_token  # the checkpoint's tokenizer, saved as it came
+    assert len(saved) == len(AutoTokenizer.from_pretrained(policy_path))  # no token added...
+    initial = AutoModelForCausalLM.from_pretrained(policy_path).get_input_embeddings().num_embeddings
+    assert AutoModelForCausalLM.from_pretrained("runs/test_bad/policy").get_input_embeddings().num_embeddings == initial
 
 
 def test_run_name_already_used(world):

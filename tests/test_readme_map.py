@@ -1,6 +1,6 @@
 """The README's map of ppo.py and its table of variant flags say where things are, and stay true.
 
-    python tests/test_readme_map.py     # prints both tables as the file stands, for the README
+    python tests/test_readme_map.py     # rewrites both tables in README.md as ppo.py stands
 """
 import re
 
@@ -84,12 +84,26 @@ def test_the_training_loop_comes_first_and_main_stays_short():
     assert max(map(len, lines)) <= 120
 
 
-if __name__ == "__main__":
-    print("| lines | section |\n|---|---|")
-    for span, title in map_rows():
-        print(f"| {span} | {title} |")
-    print()
-    for flag in ("kl_in_loss", "kl_estimator", "kl_target", "clip_eps_high", "dual_clip", "loss_agg", "value_clip_eps",
-                 "critic_init", "critic_warmup_updates", "critic_lam", "lam_alpha", "target_kl", "ptx_coef",
-                 "adv_estimator", "rollout_is_cap", "keep_sampling_mask"):
-        print(f"--{flag.replace('_', '-')}: {variant_reads(flag)}")
+def rewrite_readme():
+    """The map's rows and the variant table's last column, as ppo.py stands."""
+    text = open("README.md").read()
+    head, rest = text.split(MAP_HEADING, 1)
+    body, tail = rest.split("\n## ", 1)
+    table = "| lines | section |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in map_rows())
+    body = re.sub(r"\| lines \| section \|\n(\|.*\n)+", table, body)
+    text = head + MAP_HEADING + body + "\n## " + tail
+
+    def fix(line):
+        if not line.startswith("| `--"):
+            return line
+        cells = line.split(" | ")
+        flag = re.match(r"\| `--([\w-]+)", line).group(1).replace("-", "_")
+        return " | ".join(cells[:-1] + [variant_reads(flag) + " |"])
+    head, rest = text.split(VARIANTS_HEADING, 1)
+    body, tail = rest.split("\n## ", 1)
+    text = head + VARIANTS_HEADING + "\n".join(map(fix, body.split("\n"))) + "\n## " + tail
+    open("README.md", "w").write(text)
+
+
+if __name__ == "__main__":  # python tests/test_readme_map.py: bring the README's two tables up to date
+    rewrite_readme()
