@@ -83,7 +83,7 @@ def run_ppo(name, *args, env=None):
                           timeout=600, env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("case", ["qwen2-base", "llama", "gpt2"])
+@pytest.mark.parametrize("case", ["qwen2-base", "gpt2"])  # Llama's tokenizer goes through vLLM with Gemma2 below
 def test_vllm_stops_where_the_trainer_does(case, prompts):
     pytest.importorskip("vllm")
     out = run_ppo(f"test_real_vllm_{case}", "--vllm", *cli(flags(case, prompts)))
