@@ -147,7 +147,7 @@ def main():
             sys.exit(1)
         originals = {f: open(os.path.join(root, f)).read() for f in ("ppo.py", "gae.py")}
         survivors = []
-        print(f"\n| mutant | killed by | s |\n|---|---|---:|")
+        print("\n| mutant | killed by | s |\n|---|---|---:|")
         for name, path, old, new in chosen:
             src = originals[path]
             assert src.count(old) == 1, f"{name}: the text to mutate occurs {src.count(old)} times in {path}"

@@ -77,7 +77,7 @@ def write_prompts(path, n=256, seed=0):
     return path
 
 
-def finetune(model, tok, steps=80, batch=16, lr=5e-3, seed=0):
+def finetune(model, tok, steps=80, batch=8, lr=5e-3, seed=0):
     """A few steps of SFT on the rendered chats, so that the policy answers and ends its turn."""
     rng = random.Random(seed)
     torch.manual_seed(seed)

@@ -5,10 +5,8 @@ a kill is exact with a reward model of another tokenizer that has no pad."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 import ppo
 import real_models
+from test_resume import kill_at_checkpoint
 
 # the tokens each case's responses must be able to end with
 STOPS = {"qwen2": {"<|im_end|>", "<|endoftext|>"}, "qwen2-base": {"<|endoftext|>", "<|im_end|>"},
@@ -136,14 +135,7 @@ def test_sigkill_and_resume_with_a_chosen_pad_and_a_reward_model_of_another_toke
     straight = run_ppo("test_real_straight", *common)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert "padded with '<unk>'" in straight.stdout and "its own tokenizer" in straight.stdout
-    shutil.rmtree("runs/test_real_killed", ignore_errors=True)
-    proc = subprocess.Popen([sys.executable, "ppo.py", "--run-name", "test_real_killed", *common],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not os.path.exists("runs/test_real_killed/checkpoints/step_2") and time.time() < deadline:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    kill_at_checkpoint("test_real_killed", common, 2)
     assert not os.path.exists("runs/test_real_killed/policy")
     resumed = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_real_killed", *common, "--resume", "auto"],
                              capture_output=True, text=True, timeout=600)

@@ -33,16 +33,20 @@ def straight(world):
     return "test_straight"
 
 
-def test_sigkill_after_checkpoint_then_resume_is_exact(straight):
-    shutil.rmtree("runs/test_killed", ignore_errors=True)
-
-    proc = subprocess.Popen([sys.executable, "ppo.py", "--run-name", "test_killed", *FLAGS],
+def kill_at_checkpoint(run, flags, step):
+    """Start a fresh ppo.py run and SIGKILL it the moment its checkpoint of update `step` is in place."""
+    shutil.rmtree(f"runs/{run}", ignore_errors=True)
+    proc = subprocess.Popen([sys.executable, "ppo.py", "--run-name", run, *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not os.path.exists("runs/test_killed/checkpoints/step_3") and time.time() < deadline:
+    while not os.path.exists(f"runs/{run}/checkpoints/step_{step}") and time.time() < deadline:
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)  # right after the checkpoint at update 3 is in place
+    proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+
+
+def test_sigkill_after_checkpoint_then_resume_is_exact(straight):
+    kill_at_checkpoint("test_killed", FLAGS, 3)  # right after the checkpoint at update 3 is in place
     assert os.path.exists("runs/test_killed/checkpoints/step_3/state.pt")
     assert not os.path.exists("runs/test_killed/policy")  # it really died before the end
     # an update's rows are written before its checkpoint, so a kill right after step_3 appears keeps them
