@@ -25,7 +25,12 @@ FLAGS = dict(dataset="runs/smollm2/sums.jsonl", reward_fn="smollm2.py:reward", t
 
 @pytest.fixture(scope="module")
 def smol():
-    return smollm2.build()[0]
+    try:
+        return smollm2.build()[0]
+    except SystemExit as e:  # the package registry cannot be reached: CI must reach it, elsewhere skip
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
 
 
 def test_one_update_on_smollm2(smol, capsys):
