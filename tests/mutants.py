@@ -5,7 +5,7 @@ fast tests that must fail on each.
     python tests/mutants.py --all            # every test that kills each mutant, not only the first (slower)
     python tests/mutants.py --only kl-swapped-in-reward position-ids-arange
 
-Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, toy.py, bench.py, tests/ and
+Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, toy.py, bench.py, smollm2.py, tests/ and
 the toy world under runs/toy), where `python -m pytest -m fast tests` runs (with -x unless --all). A mutant
 the fast subset lets pass is a hole in the suite: the runner exits 1. The unmutated copy must pass first.
 Tests about the layout (the README map, every flag read) do not count as killers.
@@ -109,7 +109,7 @@ NOT_KILLERS = ["--ignore=tests/test_readme_map.py", "--deselect=tests/test_e2e.p
 
 def scratch_copy():
     root = tempfile.mkdtemp(prefix="mutants_")
-    for name in ("ppo.py", "gae.py", "toy.py", "bench.py", "README.md"):
+    for name in ("ppo.py", "gae.py", "toy.py", "bench.py", "smollm2.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), root)
     shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),
                     ignore=shutil.ignore_patterns("__pycache__"))
