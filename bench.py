@@ -2,6 +2,8 @@
 
     python bench.py                                   # the toy world: batch 64, 32 tokens, 4 epochs, 6 updates
     python bench.py --rounds 2 --kl-coef 0.1          # flags bench.py does not know go to ppo.py as they are
+    python bench.py --model runs/smollm2/model --reward-fn smollm2.py:reward \\
+        --dataset runs/smollm2/sums.jsonl --batch-size 8 --response-length 24 --micro-batch-size 4  # any checkpoint
     python bench.py --rounds 2 --trl-python PATH/TO/trl-env/bin/python \\
         --trl-script ../shared/bench/trl_ppo_baseline.py      # ours, TRL, ours, TRL at the same settings
 
@@ -10,23 +12,25 @@ bench.py reads the phase timings it logs in metrics.jsonl. Seconds per update ar
 timed phases (rollout + PPO epochs + weight push + logging; the few print and file-write calls
 between them are not timed), median over every update but the first of each run (warm-up).
 Phases: generation (HF generate, EOS cut, decode), the no-grad scoring passes (policy, reference,
-critic and reward model forwards, plus rewards, GAE and whitening), the PPO epochs, the weight push
-(with --vllm only; on the HF path generation reads the trained weights, there is nothing to push
-and the row says n.a.) and logging. Peak memory is ppo.py's `mem/peak_mb`: the process's
-peak RSS on CPU, peak allocated bytes on GPU.
+critic and reward model forwards, the reward function, plus rewards, GAE and whitening), the PPO
+epochs, the weight push (with --vllm only; on the HF path generation reads the trained weights,
+there is nothing to push and the row says n.a.) and logging. Peak memory is ppo.py's `mem/peak_mb`:
+the process's peak RSS on CPU, peak allocated bytes on GPU.
 
-The floor: the model work no PPO trainer can skip, at the same shapes, in this process, on the toy
-checkpoints (runs/toy/policy, runs/toy/reward) and through ppo.py's own helpers:
-  - one `generate` of the batch (the trainer's prompts for that update, the same temperature, top-k
-    and top-p off, stopping at EOS): its responses vary in length, so every pass below reuses them;
-  - the no-grad passes: policy and reference log-probs, critic and reward-model values;
-  - K epochs x minibatches of actor forward+backward, critic forward+backward and `optimizer_step`
-    (gradient clipping and AdamW, learning rate 0 so the sampler stays the checkpoint's).
-Not in the floor: decoding, entropies, KL rewards, GAE, whitening, the PPO loss terms and their
-statistics, the health check and logging: the trainer's overhead is all of that plus any waste, and
-is reported as trainer seconds per update / floor seconds per update - 1. The floor always uses the
-toy world and HF generate, so pass-through flags that change the models or the engine (--model,
---vllm...) make the ratio meaningless.
+The floor: the model work no PPO trainer can skip, at the same shapes, in this process, on the same
+checkpoints and prompts: every flag (bench.py's and the ones passed through) is parsed into ppo.py's
+own Args, the models are loaded by ppo.py's `load_models` and the prompts drawn by its `prompt_order`:
+  - one `generate` of the batch (the same temperature, top-k and top-p, stopping at the run's stop
+    ids) and its decoding: the responses vary in length, so every pass below reuses them;
+  - the no-grad passes, in the run's micro-batches: policy and reference log-probs, critic values,
+    and the score (reward-model forward and/or the reward function, through ppo.py's `score`);
+  - K epochs x minibatches of actor and critic forward+backward (in micro-batches) and
+    `optimizer_step` (gradient clipping and AdamW, learning rate 0 so the sampler stays the checkpoint's).
+Not in the floor: entropies, KL rewards, GAE, whitening, the PPO loss terms and their statistics,
+the health check and logging: the trainer's overhead is all of that plus any waste, and is reported
+as trainer seconds per update / floor seconds per update - 1. The floor always generates with HF
+`generate` and keeps every model on the device, so with --vllm or --offload-frozen the ratio
+compares different work.
 
 Output: one table, then one JSON line with the same figures (last line of stdout).
 """
@@ -41,11 +45,10 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Optional
 
-import numpy as np
 import torch
 import transformers
 import tyro
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+from transformers import GenerationConfig
 
 import ppo
 
@@ -54,6 +57,14 @@ import ppo
 class Args:
     updates: int = 6
     """PPO updates per trainer run (and floor repeats); the first is a warm-up and not counted"""
+    model: str = "toy"
+    """policy checkpoint (ppo.py's --model; `toy` = the built-in world)"""
+    reward_model: Optional[str] = None
+    """reward model (ppo.py's --reward-model; the toy world's own by default)"""
+    reward_fn: Optional[str] = None
+    """a Python reward (ppo.py's --reward-fn)"""
+    dataset: Optional[str] = None
+    """prompts (ppo.py's --dataset; the toy world's by default)"""
     batch_size: int = 64
     """rollouts per update"""
     response_length: int = 32
@@ -74,15 +85,24 @@ class Args:
     """TRL baseline script (shared/bench/trl_ppo_baseline.py); needed with --trl-python"""
 
 
-def run_ours(args, extra, name):
+def trainer_flags(args, extra):
+    """ppo.py's command-line flags for this benchmark: bench.py's own, then the ones passed through."""
+    flags = ["--model", args.model, "--seed", str(args.seed), "--total-episodes", str(args.updates * args.batch_size),
+             "--batch-size", str(args.batch_size), "--response-length", str(args.response_length),
+             "--num-ppo-epochs", str(args.num_ppo_epochs), "--num-minibatches", str(args.num_minibatches),
+             "--temperature", str(args.temperature), "--save-every", "0", "--sample-every", "0"]
+    for flag, value in (("--reward-model", args.reward_model), ("--reward-fn", args.reward_fn),
+                        ("--dataset", args.dataset)):
+        if value is not None:
+            flags += [flag, value]
+    return flags + list(extra)
+
+
+def run_ours(flags, name):
     """ppo.py in a subprocess; its metric rows after the warm-up update."""
     run_dir = os.path.join("runs", name)
     shutil.rmtree(run_dir, ignore_errors=True)  # ppo.py refuses a run folder that already holds metrics
-    cmd = [sys.executable, "ppo.py", "--run-name", name, "--seed", str(args.seed),
-           "--total-episodes", str(args.updates * args.batch_size), "--batch-size", str(args.batch_size),
-           "--response-length", str(args.response_length), "--num-ppo-epochs", str(args.num_ppo_epochs),
-           "--num-minibatches", str(args.num_minibatches), "--temperature", str(args.temperature),
-           "--save-every", "0", "--sample-every", "0", *extra]
+    cmd = [sys.executable, "ppo.py", "--run-name", name, *flags]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"ppo.py failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
@@ -91,10 +111,10 @@ def run_ours(args, extra, name):
     return rows[1:]
 
 
-def run_trl(args, prompts_file, workdir):
+def run_trl(args, policy_path, reward_path, prompts_file, workdir):
     """TRL's PPOTrainer through the baseline script; its RESULT dict (median_update_s, peak_rss_mb)."""
-    cmd = [args.trl_python, os.path.abspath(args.trl_script), "--policy", os.path.abspath("runs/toy/policy"),
-           "--reward", os.path.abspath("runs/toy/reward"), "--prompts", prompts_file, "--batch", str(args.batch_size),
+    cmd = [args.trl_python, os.path.abspath(args.trl_script), "--policy", os.path.abspath(policy_path),
+           "--reward", os.path.abspath(reward_path), "--prompts", prompts_file, "--batch", str(args.batch_size),
            "--response-length", str(args.response_length), "--ppo-epochs", str(args.num_ppo_epochs),
            "--mini-batches", str(args.num_minibatches), "--temperature", str(args.temperature),
            "--updates", str(args.updates), "--stop-at-eos", "--out", os.path.join(workdir, "trl_out")]
@@ -105,53 +125,63 @@ def run_trl(args, prompts_file, workdir):
     return json.loads(results[-1])
 
 
-def measure_floor(args, prompt_ids):
+def measure_floor(pargs, updates):
     """Seconds of the bare model work per update (generation, no-grad passes, PPO epochs), warm-up dropped."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    policy_path, reward_path = "runs/toy/policy", "runs/toy/reward"
-    pargs = ppo.Args()
-    tokenizer = ppo.load_tokenizer(policy_path, "--model", pargs, padding_side="left")
-    policy = ppo.load_model(AutoModelForCausalLM, policy_path, "--model", pargs).to(device)
-    ref_policy = ppo.load_model(AutoModelForCausalLM, policy_path, "--model", pargs).to(device).requires_grad_(False)
-    reward_model = ppo.ValueModel(ppo.load_model(AutoModelForSequenceClassification, reward_path, "--reward-model",
-                                                 pargs)).to(device).requires_grad_(False)
-    critic = ppo.ValueModel(ppo.load_model(AutoModelForSequenceClassification, reward_path, "--reward-model",
-                                           pargs)).to(device)
+    quiet = lambda *a, **k: None  # noqa: E731
+    models = ppo.load_models(pargs, None, device, quiet)
+    tokenizer, policy, critic = models.tokenizer, models.policy, models.critic
+    models.ref_policy.to(device)  # the floor keeps every model on the device
+    if models.reward_model is not None:
+        models.reward_model.to(device)
     policy.generation_config = GenerationConfig(  # as in ppo.main
-        do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.0, eps=1e-5) for m in (policy, critic)]
-    torch.manual_seed(args.seed)
-    order = np.random.default_rng([args.seed, 0]).permutation(len(prompt_ids))  # ppo.py's first pass over the prompts
-    mb_rows = args.batch_size // args.num_minibatches
+        do_sample=True, temperature=pargs.temperature, top_p=pargs.top_p, top_k=pargs.top_k,
+        max_new_tokens=pargs.response_length, eos_token_id=models.stop_ids, pad_token_id=tokenizer.pad_token_id)
+    prompt_rows, prompt_ids = ppo.load_prompts(pargs, tokenizer, quiet)[:2]
+    trained = [m for m in (policy, critic) if m is not None]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.0, eps=1e-5) for m in trained]
+    mb_rows = pargs.batch_size // pargs.num_minibatches
+    micro = pargs.micro_batch_size or mb_rows
+    ppo.seed_everything(pargs.seed)
     times = []
-    for update in range(args.updates):
-        batch = order[(update * args.batch_size + np.arange(args.batch_size)) % len(order)]  # (B,)
+    for update in range(1, updates + 1):
+        batch_idx = ppo.prompt_order(update, len(prompt_rows), pargs, 0, pargs.batch_size)  # (B,)
         sync()
         t0 = time.perf_counter()
-        qr, am, lengths, has_eos, mask, P = ppo.generate(policy, tokenizer, [prompt_ids[i] for i in batch], device)[:6]
+        qr, am, lengths, has_eos, mask, P = ppo.generate(policy, tokenizer, [prompt_ids[i] for i in batch_idx],
+                                                         device)[:6]
+        texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
         sync()
         t1 = time.perf_counter()
         with torch.no_grad():
-            ppo.policy_logprobs(policy, qr, am, P, args.temperature)
-            ppo.policy_logprobs(ref_policy, qr, am, P, args.temperature)
-            ppo.state_values(critic, qr, am, P)
-            ppo.state_values(reward_model, qr, am, P)
+            for i in range(0, len(qr), micro):
+                rows = slice(i, i + micro)
+                t = int(lengths[rows].max())
+                mb_qr, mb_am = qr[rows, :P + t], am[rows, :P + t]  # (b, P+t)
+                ppo.policy_logprobs(policy, mb_qr, mb_am, P, pargs.temperature)
+                ppo.policy_logprobs(models.ref_policy, mb_qr, mb_am, P, pargs.temperature)
+                if critic is not None:
+                    ppo.state_values(critic, mb_qr, mb_am, P)
+            ppo.score(models, pargs, [prompt_rows[i] for i in batch_idx], texts, qr, am, lengths, P, micro)
         sync()
         t2 = time.perf_counter()
-        for model in (policy, critic):
+        for model in trained:
             model.train(False)  # as the trainer without gradient checkpointing; dropout is off anyway
-        for epoch in range(args.num_ppo_epochs):
+        for epoch in range(pargs.num_ppo_epochs):
             perm = torch.randperm(len(qr), device=device)  # (B,)
             for start in range(0, len(qr), mb_rows):
-                idx = perm[start: start + mb_rows]  # (b,)
-                t = int(lengths[idx].max())  # trimmed to the longest response, as in the trainer
-                mb_qr, mb_am, mb_mask = qr[idx, :P + t], am[idx, :P + t], mask[idx, :t]  # (b, P+t), (b, t)
-                logprobs, _, _ = ppo.policy_logprobs(policy, mb_qr, mb_am, P, args.temperature)  # (b, t)
-                values = ppo.state_values(critic, mb_qr, mb_am, P)[:, :t]  # (b, t)
-                ((logprobs * mb_mask).sum() + (values * mb_mask).sum()).div(mb_mask.sum()).backward()
-                ppo.optimizer_step((policy, critic), optimizers, 1.0)
+                mb_idx = perm[start: start + mb_rows]  # (b,)
+                n_tokens = mask[mb_idx].sum()
+                for i in range(0, len(mb_idx), micro):
+                    idx = mb_idx[i: i + micro]
+                    t = int(lengths[idx].max())  # trimmed to the longest response, as in the trainer
+                    mb_qr, mb_am, mb_mask = qr[idx, :P + t], am[idx, :P + t], mask[idx, :t]  # (b, P+t), (b, t)
+                    loss = (ppo.policy_logprobs(policy, mb_qr, mb_am, P, pargs.temperature)[0] * mb_mask).sum()
+                    if critic is not None:
+                        loss = loss + (ppo.state_values(critic, mb_qr, mb_am, P)[:, :t] * mb_mask).sum()
+                    (loss / n_tokens).backward()
+                ppo.optimizer_step(trained, optimizers, 1.0)
         sync()
         t3 = time.perf_counter()
         times.append({"generate_s": t1 - t0, "score_s": t2 - t1, "ppo_epochs_s": t3 - t2, "update_s": t3 - t0})
@@ -164,23 +194,33 @@ def main(args, extra):
         sys.exit("--trl-python and --trl-script go together")
     if args.updates < 2:
         sys.exit("--updates must be at least 2: the first update is a warm-up")
-    transformers.utils.logging.disable_progress_bar()  # no loading bars between the table and the JSON line
-    import toy
-    toy.build_world()  # cached; built once before the first run so no run times it
-    prompt_rows, _ = ppo.load_prompt_rows(ppo.Args())  # the toy prompts, in ppo.py's order
+    transformers.utils.logging.disable_progress_bar()  # no loading bars or load reports before the table
+    transformers.utils.logging.set_verbosity_error()
+    flags = trainer_flags(args, extra)
+    pargs = tyro.cli(ppo.Args, args=flags)  # the trainer's own reading of the flags, for the floor
+    policy_path, reward_path = args.model, args.reward_model
+    if args.model == "toy":
+        import toy
+        policy_path, toy_reward = toy.build_world()  # cached; built once before the first run so no run times it
+        reward_path = reward_path or (None if args.reward_fn else toy_reward)
     workdir = tempfile.mkdtemp(prefix="bench_")
-    prompts_file = os.path.join(workdir, "prompts.jsonl")
-    with open(prompts_file, "w") as f:
-        f.writelines(json.dumps({"prompt": r["prompt"]}) + "\n" for r in prompt_rows)
-    tokenizer = ppo.load_tokenizer("runs/toy/policy", "--model", ppo.Args(), padding_side="left")
-    prompt_ids = [ppo.render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]
+    prompts_file = None
+    if args.trl_python:
+        if reward_path is None or args.reward_fn:
+            sys.exit("--trl-python needs a reward model and no --reward-fn: TRL's PPOTrainer scores with a model")
+        prompt_rows = ppo.load_prompt_rows(pargs)[0]
+        if not all(isinstance(r["prompt"], str) for r in prompt_rows):
+            sys.exit("--trl-python needs text prompts: the TRL baseline script applies no chat template")
+        prompts_file = os.path.join(workdir, "prompts.jsonl")
+        with open(prompts_file, "w") as f:
+            f.writelines(json.dumps({"prompt": r["prompt"]}) + "\n" for r in prompt_rows)
 
     rows, trl, floor = [], [], []
     for r in range(args.rounds):  # alternate, so that a slow spell of a shared machine hits both trainers
-        rows += run_ours(args, extra, f"bench_{os.getpid()}_{r}")
+        rows += run_ours(flags, f"bench_{os.getpid()}_{r}")
         if args.trl_python:
-            trl.append(run_trl(args, prompts_file, workdir))
-        floor += measure_floor(args, prompt_ids)
+            trl.append(run_trl(args, policy_path, reward_path, prompts_file, workdir))
+        floor += measure_floor(pargs, args.updates)
     shutil.rmtree(workdir)
 
     col = lambda key: [row.get(key, 0.0) for row in rows]  # noqa: E731
@@ -206,7 +246,7 @@ def main(args, extra):
         res["ratio_peak_mem"] = res["peak_mem_mb"] / res["trl_peak_rss_mb"]
 
     push = "--vllm" in extra  # HF generate shares the trained weights: nothing to push
-    print(f"\nbatch {args.batch_size}, response length {args.response_length}, {args.num_ppo_epochs} epochs x "
+    print(f"\n{args.model}: batch {args.batch_size}, response length {args.response_length}, {args.num_ppo_epochs} epochs x "
           f"{args.num_minibatches} minibatch(es); medians of {len(rows)} updates in {args.rounds} run(s), "
           f"device {'cuda' if torch.cuda.is_available() else 'cpu'}")
     print(f"| {'phase':<35} | {'ppo.py s':>10} | {'floor s':>10} |\n|{'-' * 37}|{'-' * 11}:|{'-' * 11}:|")

@@ -39,8 +39,8 @@ MUTANTS = [
      "    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)",
      "    position_ids = torch.arange(attention_mask.shape[1]).expand_as(attention_mask)"),
     ("position-ids-not-passed", "ppo.py",
-     "attention_mask=attention_mask, position_ids=position_ids,\n                     use_cache=False, **kw)",
-     "attention_mask=attention_mask, position_ids=None,\n                     use_cache=False, **kw)"),
+     "attention_mask=attention_mask, position_ids=position_ids,\n                 use_cache=False, **kw)",
+     "attention_mask=attention_mask, position_ids=None,\n                 use_cache=False, **kw)"),
     # the KL at its call sites
     ("kl-swapped-in-reward", "ppo.py",
      "kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask",
@@ -94,7 +94,14 @@ MUTANTS = [
      "else optimizers[1:]  # warm-up: critic only", "else optimizers  # warm-up: critic only"),
     # the health check and what it guards
     ("ratio-check-never-fires", "ppo.py",
-     "if ratio_at_start > args.ratio_check_tol:", "if ratio_at_start > args.ratio_check_tol and False:"),
+     'if health["ppo/policy/ratio_at_start"] > args.ratio_check_tol:',
+     'if health["ppo/policy/ratio_at_start"] > args.ratio_check_tol and False:'),
+    ("health-check-on-the-largest-token", "ppo.py",  # the old statistic: a false alarm on every bf16 run
+     'if health["ppo/policy/ratio_at_start"] > args.ratio_check_tol:',
+     'if health["ppo/policy/ratio_max_at_start"] > 1e-3:'),
+    ("value-clipfrac-counts-rounding", "ppo.py",
+     "(binds & (vf_losses2 > vf_losses)).float()", "(vf_losses2 > vf_losses).float()"),
+    ("bf16-ignored", "ppo.py", 'bf16 = args.precision == "bf16" or', 'bf16 = False and'),
     ("attention-dropout-left-on", "ppo.py",
      "            m.attention_dropout = 0.0", "            m.attention_dropout = m.attention_dropout"),
     # GAE

@@ -1,7 +1,14 @@
-"""bench.py end to end at tiny settings: one JSON line of positive figures, the floor not above the trainer."""
+"""bench.py end to end at tiny settings: one JSON line of positive figures, on the toy world and on a real
+tokenizer's checkpoint with a reward function; tests/gpu_check.sh ends cleanly without a GPU."""
 import json
+import os
 import subprocess
 import sys
+
+import pytest
+import torch
+
+import real_models
 
 KEYS = ["update_s", "generate_s", "score_s", "ppo_epochs_s", "log_s", "generated_tokens_per_s",
         "trained_tokens_per_s", "peak_mem_mb", "floor_update_s", "floor_generate_s", "floor_score_s",
@@ -21,3 +28,24 @@ def test_bench_prints_a_table_and_a_json_line(world):
     # no timing is compared with another run's (a shared CPU's noise); within a row the whole update holds
     # its PPO epochs, so the median of the totals is at least the median of the epochs
     assert res["update_s"] >= res["ppo_epochs_s"]
+
+
+def test_bench_on_another_checkpoint_with_a_reward_function(tmp_path):
+    # the floor is built from the same flags: a Qwen2-tokenizer policy, its chat prompts, a Python reward
+    prompts = real_models.write_prompts(tmp_path / "prompts.jsonl")
+    out = subprocess.run([sys.executable, "bench.py", "--model", real_models.build("qwen2"), "--dataset", str(prompts),
+                          "--reward-fn", "tests/real_models.py:reward", "--updates", "3", "--batch-size", "8",
+                          "--response-length", "8", "--num-ppo-epochs", "1", "--micro-batch-size", "4",
+                          "--eval-fraction", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("runs/real/qwen2: batch 8") == 1
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(res[k] > 0 for k in KEYS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the GPU checks")
+def test_gpu_check_script_ends_cleanly_without_a_gpu(tmp_path):
+    out = subprocess.run(["bash", "tests/gpu_check.sh"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OUT=str(tmp_path)))
+    assert out.returncode == 0 and "no CUDA GPU here" in out.stdout
+    assert json.load(open(tmp_path / "gpu_check.json")) == {"skipped": "no CUDA GPU"}

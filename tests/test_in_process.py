@@ -59,15 +59,58 @@ def test_responses_without_eos_get_the_penalty(world):
     assert row["ppo/val/eos_rate"] == 0 and row["objective/scores"] == -3.0
 
 
-def test_health_check_stops_a_run_whose_passes_disagree(world, tmp_path, monkeypatch):
-    # a real fault: attention dropout left on, and active in phase 7 (gradient checkpointing trains in
-    # training mode), so the training pass computes another function than the rollout pass did
-    path = tmp_path / "dropout_policy"
-    AutoModelForCausalLM.from_pretrained(world[0], attention_dropout=0.3).save_pretrained(path)
-    AutoTokenizer.from_pretrained(world[0]).save_pretrained(path)
-    monkeypatch.setattr(ppo, "disable_dropout", lambda model: model.eval())
-    with pytest.raises(ppo.UsageError, match="the rollout and training passes disagree"):
-        run_main("test_fault", model=str(path), reward_model=world[1], gradient_checkpointing=True)
+MICRO = dict(micro_batch_size=8, num_minibatches=2)  # the setting where bf16 rounds the two passes apart
+
+
+def test_bf16_passes_its_own_health_check(world):
+    # bf16 autocast on a CPU rounds like a GPU's: the rollout and training passes see micro-batches of other
+    # rows and lengths, so single tokens differ by up to a few percent; the mean over the minibatch does not
+    rows = run_main("test_bf16", precision="bf16", total_episodes=20 * 64, **MICRO)
+    assert len(rows) == 20
+    assert max(r["ppo/policy/ratio_at_start"] for r in rows) < ppo.Args.ratio_check_tol / 5
+    assert max(r["ppo/policy/ratio_max_at_start"] for r in rows) > 1e-3  # bf16 really was on: fp32 stays < 1e-5
+    assert rows[-1]["objective/gold"] > rows[0]["objective/gold"]
+
+
+def gpt2_policy(world, path):
+    """A random-init GPT-2 on the toy tokenizer: learned absolute positions, where position ids matter."""
+    from transformers import GPT2Config
+    tok = AutoTokenizer.from_pretrained(world[0])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GPT2Config(
+        vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return dict(model=str(path), reward_model=world[1])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("fault", ["dropout", "temperature", "position_ids"])
+def test_health_check_stops_a_run_whose_passes_disagree(world, tmp_path, monkeypatch, fault, precision):
+    flags = dict(MICRO, precision=precision)
+    if fault == "dropout":  # attention dropout left on, active in phase 7 (gradient checkpointing trains in
+        # training mode): the training pass computes another function than the rollout pass did
+        path = tmp_path / "dropout_policy"
+        AutoModelForCausalLM.from_pretrained(world[0], attention_dropout=0.3).save_pretrained(path)
+        AutoTokenizer.from_pretrained(world[0]).save_pretrained(path)
+        monkeypatch.setattr(ppo, "disable_dropout", lambda model: model.eval())
+        flags.update(model=str(path), reward_model=world[1], gradient_checkpointing=True)
+    elif fault == "temperature":  # the training pass forgets --temperature (takes the raw logits)
+        logprobs = ppo.policy_logprobs
+        monkeypatch.setattr(ppo, "policy_logprobs", lambda model, qr, am, P, temperature, *a, **k: logprobs(
+            model, qr, am, P, 1.0 if torch.is_grad_enabled() else temperature, *a, **k))
+    else:  # the training pass counts positions from the padding (0, 1, 2...) on a model with learned positions
+        forward = ppo.forward
+
+        def positions_from_padding(model, qr, am, **kw):
+            if not torch.is_grad_enabled():
+                return forward(model, qr, am, **kw)
+            positions = torch.arange(qr.shape[1]).expand_as(qr)  # (b, P+T): ignores the left padding
+            return model(input_ids=qr, attention_mask=am, position_ids=positions, use_cache=False, **kw)
+        monkeypatch.setattr(ppo, "forward", positions_from_padding)
+        flags.update(gpt2_policy(world, tmp_path / "gpt2"))
+    with pytest.raises(ppo.UsageError, match="update 1: mean .* the rollout and training passes disagree"):
+        run_main(f"test_fault_{fault}_{precision}", **flags)
 
 
 def test_critic_warmup_moves_the_critic_and_not_the_policy(world):

@@ -71,6 +71,29 @@ def test_value_clip_is_anchored_on_rollout_values():
     assert clipped_off.sum() == 0
 
 
+def test_clip_fractions_count_only_where_the_clip_binds():
+    # old -0.3, new -0.12, return 0, eps 0.2: new is inside the band, but old + (new - old) rounds to
+    # -0.12000000477 in float32, whose error is one ulp larger than new's; that is not clipping
+    losses, clipped = ppo.value_loss(torch.tensor([-0.12]), torch.tensor([-0.3]), torch.tensor([0.0]), 0.2)
+    assert clipped.item() == 0 and losses.item() == pytest.approx(0.5 * 0.12 ** 2)
+    # critic values as a real run moves them, against the fractions computed in float64
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(100_000, generator=g) * 0.1
+    new = old + torch.randn(100_000, generator=g) * 0.05 + torch.randn(100_000, generator=g) * 0.05
+    returns = torch.randn(100_000, generator=g) * 0.3
+    _, clipped = ppo.value_loss(new, old, returns, 0.2)
+    o, n, r = old.double(), new.double(), returns.double()
+    truth = ((n - o).abs() > 0.2) & ((o + (n - o).clamp(-0.2, 0.2) - r) ** 2 > (n - r) ** 2)
+    assert clipped.bool().tolist() == truth.tolist() and truth.any()
+    # the policy's: clamp returns a ratio inside the range unchanged, so the flag is exact there too
+    adv = torch.randn(100_000, generator=g)
+    logratio = torch.randn(100_000, generator=g) * 0.15
+    _, _, _, clipped = ppo.policy_loss(logratio, torch.zeros(100_000), adv, clip_eps=0.2)
+    ratio = logratio.exp().double()
+    truth = ((adv > 0) & (ratio > 1.2)) | ((adv < 0) & (ratio < 0.8))
+    assert clipped.bool().tolist() == truth.tolist() and truth.any()
+
+
 def test_masked_whiten_ignores_padding():
     x = torch.tensor([[1.0, 2.0, 3.0, 50.0], [4.0, 5.0, -40.0, 7.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
@@ -128,7 +151,7 @@ def test_ratio_is_one_on_a_real_rollout(world):
     assert (rollout["lengths"] > 1).any() and (rollout["lengths"] < rollout["mask"].shape[1]).any()
     args = ppo.Args(micro_batch_size=8, temperature=T_HOT)
     stats = ppo.minibatch_backward(policy, critic, rollout, torch.randperm(32), P, args)
-    assert stats["first_ratio_dev"] < 1e-5
+    assert stats["ratio_dev_max"] < 1e-5 and stats["ratio_dev"] / stats["tokens"] < 1e-6
     assert stats["approxkl"] / stats["tokens"] < 1e-10
     assert abs(stats["ratio"] / stats["tokens"] - 1) < 1e-6
 

@@ -1,0 +1,109 @@
+"""What only a GPU can show, skipped without CUDA (CI never has one; tests/gpu_check.sh runs this file
+on a GPU machine): the default toy run in bf16 end to end; two updates of a Qwen2-shaped random-init
+model of 0.5B parameters (Qwen2.5-0.5B's shape: hidden 896, 24 layers, vocabulary 151,936) with a
+random-init reward model, micro-batches and gradient checkpointing; --offload-frozen lowering the
+peak allocated memory by about the frozen models' bytes. Figures go to $GPU_CHECK_JSON when it is set.
+
+    python tests/test_gpu.py          # only builds the 0.5B checkpoints under runs/gpu/ (bench.py uses them too)
+"""
+import json
+import os
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import ppo  # noqa: E402
+from real_models import tokenizer_dir  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(HERE), "runs", "gpu")
+QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, max_position_embeddings=4096, vocab_size=151936, tie_word_embeddings=True)
+TOPICS = ["the sea", "a lost key", "autumn", "a robot", "the moon", "a small town", "rain", "an old map"]
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu_check.sh)")
+
+
+def build():
+    """runs/gpu/qwen2-0.5b/{policy,reward} (random init, the Qwen2 tokenizer) and runs/gpu/prompts.jsonl."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+    policy_dir, reward_dir = os.path.join(ROOT, "qwen2-0.5b", "policy"), os.path.join(ROOT, "qwen2-0.5b", "reward")
+    prompts = os.path.join(ROOT, "prompts.jsonl")
+    if not os.path.exists(os.path.join(reward_dir, "config.json")):
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen2"))
+        torch.manual_seed(0)
+        for path, cls, extra in ((policy_dir, AutoModelForCausalLM, {}),
+                                 (reward_dir, AutoModelForSequenceClassification, dict(num_labels=1))):
+            config = Qwen2Config(**QWEN2_05B, **extra, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+            cls.from_config(config).save_pretrained(path)
+            tok.save_pretrained(path)
+        with open(prompts, "w") as f:  # text prompts: TRL's baseline script applies no chat template
+            f.writelines(json.dumps({"prompt": f"Write a short poem about {t}, number {i}."}) + "\n"
+                         for i in range(64) for t in TOPICS)
+    return policy_dir, reward_dir, prompts
+
+
+def report(name, figures):
+    """Print the figures and add them to $GPU_CHECK_JSON."""
+    print(name, figures)
+    path = os.environ.get("GPU_CHECK_JSON")
+    if path:
+        data = json.load(open(path)) if os.path.exists(path) else {}
+        data[name] = figures
+        json.dump(data, open(path, "w"), indent=1)
+
+
+def run(name, **flags):
+    shutil.rmtree(f"runs/{name}", ignore_errors=True)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    ppo.main(ppo.Args(run_name=name, sample_every=0, save_every=0, **flags))
+    wall = time.perf_counter() - start
+    return [json.loads(line) for line in open(f"runs/{name}/metrics.jsonl")], wall
+
+
+def test_default_toy_run_in_bf16(world):
+    rows, wall = run("gpu_toy")  # --precision auto: bf16 on a GPU
+    assert len(rows) == 100 and max(r["ppo/policy/ratio_at_start"] for r in rows) < 1e-3
+    first, last = (sum(r["objective/gold"] for r in part) / 10 for part in (rows[:10], rows[-10:]))
+    report("toy_bf16", dict(wall_s=round(wall, 1), gold_first10=first, gold_last10=last,
+                            ratio_at_start_max=max(r["ppo/policy/ratio_at_start"] for r in rows),
+                            ratio_max_at_start_max=max(r["ppo/policy/ratio_max_at_start"] for r in rows)))
+    assert last > first + 0.2
+
+
+QWEN_FLAGS = dict(batch_size=32, total_episodes=64, response_length=128, micro_batch_size=8, num_minibatches=2,
+                  gradient_checkpointing=True, learning_rate=1e-6, critic_learning_rate=1e-5, eval_fraction=0.0,
+                  max_prompt_length=64)
+
+
+def test_half_billion_qwen2_shape():
+    policy, reward, prompts = build()
+    rows, wall = run("gpu_qwen2", model=policy, reward_model=reward, dataset=prompts, **QWEN_FLAGS)
+    per_update = [r["time/rollout_s"] + r["time/update_s"] + r["time/log_s"] for r in rows]
+    report("qwen2_0.5b", dict(updates=len(rows), s_per_update=per_update, peak_allocated_mb=rows[-1]["mem/peak_mb"],
+                              ratio_at_start=[r["ppo/policy/ratio_at_start"] for r in rows],
+                              generated_tokens=[r["time/generated_tokens"] for r in rows], wall_s=round(wall, 1)))
+    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-3 for r in rows)
+
+
+def test_offload_frozen_lowers_peak_memory():
+    from transformers import AutoModelForCausalLM
+    policy, reward, prompts = build()
+    flags = dict(QWEN_FLAGS, total_episodes=32, model=policy, reward_model=reward, dataset=prompts)
+    kept = run("gpu_kept", **flags)[0][0]["mem/peak_mb"]
+    offloaded = run("gpu_offloaded", offload_frozen=True, **flags)[0][0]["mem/peak_mb"]
+    n_params = AutoModelForCausalLM.from_pretrained(policy).num_parameters()
+    frozen_mb = 2 * n_params * 4 / 2**20  # the reference and the reward model (about the same size), fp32
+    report("offload_frozen", dict(peak_kept_mb=kept, peak_offloaded_mb=offloaded, frozen_mb=frozen_mb))
+    assert kept - offloaded > 0.5 * frozen_mb
+
+
+if __name__ == "__main__":
+    print(build())
