@@ -12,7 +12,7 @@ One update (the numbered phases of the loop in `main`, and of the README):
   5. GAE (gae.py)
   6. whiten the advantages over valid tokens
   7. K epochs x minibatches x micro-batches of the clipped policy loss and the clipped value loss
-  8. health check: before the first step the importance ratio must be exactly 1
+  8. health check: before the first step the importance ratio must be 1 (up to rounding)
   9. push the new weights into the vLLM engine (with --vllm)
  10. log, save
 
@@ -48,6 +48,8 @@ Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded
 (right-padded after the EOS), V vocabulary.
 """
 import contextlib
+import fcntl
+import hashlib
 import json
 import math
 import os
@@ -55,6 +57,8 @@ import random
 import re
 import resource
 import shutil
+import signal
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -205,7 +209,7 @@ class Args:
 
     # data
     dataset: Optional[str] = None
-    """prompts: a local .jsonl/.json/.parquet file or a hub dataset name (default: the toy world's prompts)"""
+    """prompts: a local .jsonl/.json/.parquet/.csv file or a hub dataset name (default: the toy world's prompts)"""
     prompt_column: str = "prompt"
     """column holding the prompt: a string, or a list of chat messages rendered with the chat template"""
     train_split: str = "train"
@@ -230,8 +234,7 @@ class Args:
     rollout_is_cap: Optional[float] = None
     """truncated importance sampling: weight each token's policy loss by min(p_old / p_vllm, cap) (typical 2.0)"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """bf16: every forward under bf16 autocast (weights, optimizer states, log-probs and losses stay fp32);
-    auto = bf16 on a GPU, fp32 on a CPU (where bf16 runs too, slower: to test what a GPU would do)"""
+    """bf16: every forward under bf16 autocast, all else fp32; auto = bf16 on a GPU, fp32 on a CPU"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass of policy and critic (less memory, about 30% slower)"""
     shard_frozen: bool = True
@@ -432,6 +435,14 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
     return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
 
 
+def adaptive_kl_coef(kl_coef, kl, args):
+    """Ziegler et al. 2019 (--kl-target): beta moves by the clipped relative error of the KL per response."""
+    if args.kl_target is None:
+        return kl_coef
+    error = float(np.clip(global_sum(kl.sum()).item() / args.batch_size / args.kl_target - 1, -0.2, 0.2))
+    return kl_coef * (1 + error * args.batch_size / args.kl_horizon)
+
+
 def per_token_rewards(kl, scores, lengths, kl_coef):
     """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
     the EOS, or the last token of a response cut by the length limit. Never on padding."""
@@ -508,8 +519,7 @@ def value_loss(new_values, old_values, returns, value_clip_eps):
         return 0.5 * vf_losses, torch.zeros_like(vf_losses)  # (b, t) each
     v_clipped = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)  # (b, t)
     vf_losses2 = (v_clipped - returns) ** 2  # (b, t)
-    # clipped where the clip binds: inside the band, old + (new - old) can round one ulp off new, and a
-    # larger vf_losses2 there is rounding, not clipping (it picks the same gradient either way)
+    # counted where the clip binds: inside the band, old + (new - old) may round one ulp off new
     binds = (new_values - old_values).abs() > value_clip_eps  # (b, t)
     return 0.5 * torch.max(vf_losses, vf_losses2), (binds & (vf_losses2 > vf_losses)).float()  # (b, t) each
 
@@ -525,8 +535,7 @@ def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, response_length):
 
 def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext()):
     """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed with
-    weights normalised over the whole minibatch (all ranks), so the split does not change the gradient.
-    `amp`: the autocast of --precision, around the forwards only (the backward runs outside it)."""
+    weights normalised over the whole minibatch (all ranks), so the split does not change the gradient."""
     mask, lengths = rollout["mask"], rollout["lengths"]
     mb_tokens = global_sum(mask[mb_idx].sum())  # valid tokens of the minibatch on all ranks
     mb_seqs = global_sum(torch.tensor(float(len(mb_idx)), device=mask.device))  # responses, likewise
@@ -541,7 +550,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
         support = rollout["support"][idx, :t] if args.keep_sampling_mask else None  # (b, t, V)
-        with amp:  # bf16 matmuls with --precision bf16 (log-probs and losses stay fp32)
+        with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
                                                            support)  # (b, t) each
         pg_losses, ratio, logratio, pg_clipped = policy_loss(
@@ -632,7 +641,8 @@ def main(args: Args):
     micro = args.micro_batch_size or mb_rows  # rows of one forward
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # around every forward (nanoGPT's ctx)
-    nonfinite_streak = 0
+    nonfinite_streak, stop = 0, False
+    catch_stop_signals(run_name)  # SIGTERM (preemption) and Ctrl-C: finish the update, checkpoint it, stop
 
     log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
     bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
@@ -739,9 +749,7 @@ def main(args: Args):
             model.eval()
         for sched in schedulers:
             sched.step()
-        if args.kl_target is not None:  # adaptive KL (Ziegler et al. 2019), fed the KL per response
-            error = float(np.clip(global_sum(kl.sum()).item() / args.batch_size / args.kl_target - 1, -0.2, 0.2))
-            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
+        kl_coef = adaptive_kl_coef(kl_coef, kl, args)  # with --kl-target (Ziegler et al. 2019), else unchanged
         t_update = time.perf_counter() - t1
 
         # 8. health check: before the first step the ratio is 1 up to rounding, on average over a minibatch
@@ -773,7 +781,7 @@ def main(args: Args):
             row.update(eval_row)
             t_log += time.perf_counter() - t_eval
         row = reduce_row(row, device)  # under torchrun: one value for all ranks
-        if args.keep_best and row.get(args.keep_best, -math.inf) > best:
+        if args.keep_best and keep_best_value(row, args) > best:
             best = row[args.keep_best]
             save_models(os.path.join(run_dir, "best"), models)
         if rank == 0:  # the rows reach the disk before the checkpoint: resuming from step k finds rows 1..k
@@ -783,12 +791,19 @@ def main(args: Args):
                 samples = [{"step": update, "prompt": r["prompt"], "response": text, "score": s}
                            for r, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
             write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples)
-        if args.save_every and update % args.save_every == 0:
+        stop = global_max(float(bool(STOP_SIGNALS)), device) > 0  # SIGTERM or Ctrl-C on any rank: all stop here
+        if (args.save_every and update % args.save_every == 0) or stop:
             save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_coef, best, device)
+        if stop:
+            break
 
-    save_models(run_dir, models)
-    close_run(args, metrics_file, log, run_dir)
+    if not stop:  # a stopped run keeps its checkpoint; the final models are for a finished one
+        save_models(run_dir, models)
+        log(f"saved policy and critic to {run_dir}/")
+    close_run(args, metrics_file, run_dir)
     teardown(llm, world)
+    if stop:
+        raise stopped(update, run_name, run_dir)
 
 
 # ==============================================================================================
@@ -801,6 +816,41 @@ class UsageError(Exception):
     """Bad input: printed as one line (what is wrong, what to do) with exit status 2."""
 
 
+class Stopped(Exception):
+    """Stopped by a signal: printed as one line (where the run stands, how to continue), exit status 128 + signal."""
+
+    def __init__(self, code, msg):
+        super().__init__(msg)
+        self.code = code
+
+
+STOP_SIGNALS = []  # the stop signals received during the loop
+PREVIOUS_HANDLERS = {}
+
+
+def catch_stop_signals(run_name):
+    """SIGTERM (how schedulers preempt) and Ctrl-C end the loop after the update in flight, which is then
+    checkpointed; a second Ctrl-C stops at once (the newest checkpoint holds the run)."""
+    STOP_SIGNALS.clear()
+
+    def handler(signum, frame):
+        if STOP_SIGNALS and signum == signal.SIGINT:
+            raise Stopped(130, f"interrupted again, at once: continue from the newest checkpoint with the same flags "
+                               f"and --run-name {run_name} --resume auto")
+        STOP_SIGNALS.append(signum)
+        print(f"\n{signal.Signals(signum).name}: finishing this update, then a checkpoint, then stopping "
+              "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        PREVIOUS_HANDLERS[s] = signal.signal(s, handler)
+
+
+def stopped(update, run_name, run_dir):
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank
+    return Stopped(128 + signum, f"{signal.Signals(signum).name} after update {update}: its checkpoint is "
+                   f"{run_dir}/checkpoints/step_{update}; continue with the same flags and --run-name {run_name} "
+                   "--resume auto")
+
+
 def fail(msg):
     raise UsageError(msg)
 
@@ -808,6 +858,13 @@ def fail(msg):
 def reason(e):
     """The first line of an exception's message, or its type when it has none."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+RESERVED_RUN_NAMES = ("toy", "smollm2")  # runs/<name>/ of the built-in worlds
+
+
+def open_or_empty(path):
+    return open(path).read() if os.path.exists(path) else ""
 
 
 def check_args(args, world):
@@ -819,12 +876,58 @@ def check_args(args, world):
              "(unbounded ratios): add --keep-sampling-mask, or use temperature only")
     if sampler_filter and args.vllm:
         fail("--top-p/--top-k with --vllm are not supported yet: the sampling mask is taken from HF's own filters")
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0 (got {args.temperature}): log-probs are taken from logits / T")
-    if args.response_length <= 0 or args.max_prompt_length <= 0:
-        fail("--response-length and --max-prompt-length must be positive")
-    if args.kl_coef < 0:
-        fail(f"--kl-coef must be >= 0 (got {args.kl_coef}): a negative coefficient rewards leaving the reference")
+    a, unit = args, lambda x: x is None or 0 <= x <= 1  # (NaN fails every comparison below)
+    for ok, what in (  # every flag with a range
+            (a.temperature > 0 and math.isfinite(a.temperature), "--temperature must be > 0: log-probs are "
+             "taken from logits / T"),
+            (a.response_length > 0 and a.max_prompt_length > 0, "--response-length and --max-prompt-length must "
+             "be positive"),
+            (0 <= a.kl_coef < math.inf, "--kl-coef must be >= 0 and finite: a negative coefficient rewards leaving "
+             "the reference"),
+            (a.total_episodes > 0 and a.batch_size > 0, "--total-episodes and --batch-size must be positive"),
+            (a.num_minibatches > 0 and a.num_ppo_epochs > 0 and a.group_size > 0 and
+             (a.micro_batch_size is None or a.micro_batch_size > 0),
+             "--num-minibatches, --num-ppo-epochs, --micro-batch-size and --group-size must be positive"),
+            (0 < a.learning_rate <= 1 and 0 < a.critic_learning_rate <= 1, "--learning-rate and "
+             "--critic-learning-rate must be in (0, 1]"),
+            (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
+            (0 <= a.eval_fraction < 1 and a.eval_size > 0, "--eval-fraction must be in [0, 1) and --eval-size "
+             "positive"),
+            (unit(a.gamma) and unit(a.lam) and unit(a.critic_lam), "--gamma, --lam and --critic-lam must be in "
+             "[0, 1]"),
+            (0 < a.clip_eps < 1 and (a.clip_eps_high is None or a.clip_eps_high > 0), "--clip-eps must be in "
+             "(0, 1) and --clip-eps-high > 0"),
+            (a.dual_clip is None or a.dual_clip > 1, "--dual-clip must be > 1 (Ye et al. 2020 use 3)"),
+            (a.value_clip_eps is None or a.value_clip_eps > 0, "--value-clip-eps must be > 0 (None: no clip)"),
+            (a.lam_alpha is None or a.lam_alpha > 0, "--lam-alpha must be > 0"),
+            (a.kl_target is None or 0 < a.kl_target < math.inf, "--kl-target must be > 0"),
+            (a.kl_horizon > 0 and (a.target_kl is None or a.target_kl > 0), "--kl-horizon and --target-kl must be "
+             "positive"),
+            (min(a.vf_coef, a.ent_coef, a.ptx_coef, a.max_grad_norm) >= 0, "--vf-coef, --ent-coef, --ptx-coef and "
+             "--max-grad-norm must be >= 0"),
+            (0 < a.top_p <= 1 and a.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
+            (a.ratio_check_tol > 0 and a.max_nonfinite_steps > 0, "--ratio-check-tol and --max-nonfinite-steps "
+             "must be positive"),
+            (a.critic_warmup_updates >= 0 and a.sample_every >= 0 and a.eval_every >= 0 and a.save_every >= 0,
+             "--critic-warmup-updates, --sample-every, --eval-every and --save-every must be >= 0"),
+            (a.keep_checkpoints > 0, "--keep-checkpoints must be >= 1"),
+            (0 < a.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
+            (a.rollout_is_cap is None or a.rollout_is_cap >= 1, "--rollout-is-cap must be >= 1"),
+            (all(x is None or math.isfinite(x) for x in (a.missing_eos_penalty, a.reward_model_weight,
+                                                        a.reward_fn_weight)),
+             "--missing-eos-penalty, --reward-model-weight and --reward-fn-weight must be finite"),
+            (not (a.keep_best or "").startswith("eval/") or a.eval_every > 0, "--keep-best eval/... needs "
+             "--eval-every N: nothing is evaluated without it"),
+    ):
+        if not ok:
+            fail(what)
+    if args.run_name is not None and (not re.fullmatch(r"\w[\w.+-]*", args.run_name) or
+                                      args.run_name in RESERVED_RUN_NAMES):
+        fail(f"--run-name {args.run_name!r} must be a plain name (letters, digits, _ . + -), not a path, and not "
+             f"one of {', '.join(RESERVED_RUN_NAMES)} (built-in worlds live there)")
+    if args.track and not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled")
+                           or "api.wandb.ai" in open_or_empty(os.path.expanduser("~/.netrc"))):
+        fail("--track needs wandb credentials: run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline")
     if args.bootstrap_truncated and args.missing_eos_penalty is not None:
         fail("--bootstrap-truncated replaces the missing-EOS penalty: also pass --missing-eos-penalty None")
     if args.batch_size % (world * args.num_minibatches * (args.micro_batch_size or 1)) != 0:
@@ -1143,8 +1246,14 @@ def load_prompts(args, tokenizer, log):
     prompt_rows, eval_rows = load_prompt_rows(args)
     if not prompt_rows:
         fail("the prompt set is empty: check --dataset and --train-split")
+    for i, row in enumerate(prompt_rows + eval_rows):
+        check_prompt(row["prompt"], tokenizer, f"--dataset row {i} ({args.prompt_column!r})")
     prompt_ids = [render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]  # tokenized once
     eval_ids = [render_prompt(tokenizer, r["prompt"]) for r in eval_rows]
+    empty = [i for i, p in enumerate(prompt_ids + eval_ids) if not p]
+    if empty:
+        fail(f"--dataset row {empty[0]}: the prompt gives no tokens ({len(empty)} such rows), and generation needs "
+             "at least one: drop empty prompts")
     too_long = sum(len(p) > args.max_prompt_length for p in prompt_ids + eval_ids)
     if too_long and not args.truncate_prompts:
         fail(f"{too_long} of {len(prompt_ids + eval_ids)} prompts are longer than --max-prompt-length "
@@ -1172,11 +1281,14 @@ def load_prompt_rows(args):
                 [{"prompt": p} for p in toy.prompts(args.eval_size, seed=4321)])
     import datasets
     ext = os.path.splitext(args.dataset)[1]
+    local = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(ext)
+    if local and not os.path.isfile(args.dataset):
+        fail(f"--dataset {args.dataset!r}: no such file")
     if os.path.isfile(args.dataset) and os.path.getsize(args.dataset) == 0:
         fail(f"the prompt set is empty: {args.dataset} has no rows")
     try:
-        if ext in (".jsonl", ".json", ".parquet"):
-            ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=args.dataset)
+        if local:
+            ds = datasets.load_dataset(local, data_files=args.dataset)
         else:
             ds = datasets.load_dataset(args.dataset)
         train = ds[args.train_split]
@@ -1192,8 +1304,25 @@ def load_prompt_rows(args):
     else:
         held_out = train.select([])
     held_out = held_out.select(range(min(args.eval_size, len(held_out))))
-    return ([dict(r, prompt=r[args.prompt_column]) for r in train],
-            [dict(r, prompt=r[args.prompt_column]) for r in held_out])
+    try:  # the rows are decoded only here
+        return ([dict(r, prompt=r[args.prompt_column]) for r in train],
+                [dict(r, prompt=r[args.prompt_column]) for r in held_out])
+    except UnicodeDecodeError as e:
+        fail(f"--dataset {args.dataset!r} cannot be loaded: it is not UTF-8 text ({reason(e)})")
+
+
+def check_prompt(prompt, tokenizer, where):
+    """A prompt is a string, or a non-empty list of {"role": str, "content": str} rendered by a chat template."""
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        fail(f"{where} is {prompt!r:.60}: a prompt is a string or a list of chat messages")
+    for m in prompt:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            fail(f"{where} has the chat message {m!r:.60}: each needs a string 'role' and a string 'content'")
+    if not tokenizer.chat_template:
+        fail(f"{where} is a list of chat messages, but the tokenizer has no chat template: give string prompts, "
+             "or a checkpoint with a chat template")
 
 
 def render_prompt(tokenizer, prompt):
@@ -1230,9 +1359,36 @@ def load_reward_fn(spec):
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(path)
-        return getattr(module, name)
-    except (ImportError, FileNotFoundError, AttributeError, ValueError) as e:
-        fail(f"--reward-fn {spec!r} cannot be loaded ({e}): give FILE.py:NAME or module:NAME")
+        fn = getattr(module, name)
+    except Exception as e:  # a missing file or name, an import or syntax error in it: one line
+        fail(f"--reward-fn {spec!r} cannot be loaded ({type(e).__name__}: {reason(e)}): give FILE.py:NAME or "
+             "module:NAME")
+    if not callable(fn):
+        fail(f"--reward-fn {spec!r} is a {type(fn).__name__}, not a function f(prompts, responses, **columns)")
+    return fn
+
+
+def reward_fn_scores(fn, args, prompts, texts, columns, device):
+    """Call --reward-fn and check what it returns: one finite number per response, nothing broadcast."""
+    name = f"--reward-fn {args.reward_fn}"
+    try:
+        values = fn(prompts, texts, **columns)
+    except Exception as e:
+        if args.debug:
+            raise
+        fail(f"{name} raised {type(e).__name__}: {reason(e)} (it is called as f(prompts, responses, **columns), "
+             f"columns: {sorted(columns) or 'none'}; --debug shows the traceback)")
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or len(values) != len(texts):
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        fail(f"{name} returned {got} for {len(texts)} responses: return a list of one float per response")
+    bad = [i for i, v in enumerate(values)  # bools count as 0 / 1
+           if not isinstance(v, (int, float, np.number, np.bool_)) or not math.isfinite(v)]
+    if bad:
+        fail(f"{name} returned {values[bad[0]]!r} for response {bad[0]} ({len(bad)} of {len(values)} are not "
+             "finite numbers): return one finite float per response")
+    return torch.tensor([float(v) for v in values], device=device)
 
 
 def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro):
@@ -1247,8 +1403,8 @@ def score(models, args, rows, texts, query_responses, attention_mask, lengths, P
             models.reward_model, models.rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro)
     if models.reward_fn is not None:
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", args.prompt_column)}
-        values = models.reward_fn([r["prompt"] for r in rows], texts, **columns)
-        parts["reward_fn"] = args.reward_fn_weight * torch.tensor(values, dtype=torch.float, device=lengths.device)
+        parts["reward_fn"] = args.reward_fn_weight * reward_fn_scores(
+            models.reward_fn, args, [r["prompt"] for r in rows], texts, columns, lengths.device)
     return sum(parts.values()), parts
 
 
@@ -1445,16 +1601,17 @@ def open_run(args, run_name, run_dir, first_update):
     """Rank 0 drops the rows written after the checkpoint it resumes from, writes config.json and opens
     metrics.jsonl (and wandb with --track); other ranks get None."""
     rank, world = rank_and_world()
-    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
-        if rank == 0:
+    if rank == 0:
+        lock_run(run_dir)  # a fresh run's folder is made (and locked) only now, when everything has loaded
+        if args.resume is None:  # refused, should another process have started a run of this name meanwhile
+            choose_checkpoint(args, run_dir, print)
+        for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
             truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
     if world > 1:
         dist.barrier()  # every rank has read the old files before rank 0 writes
     if rank != 0:
         return None
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(dict(asdict(args), world_size=world), f, indent=2)
+    write_json(os.path.join(run_dir, "config.json"), dict(asdict(args), world_size=world))
     if args.track:
         import wandb
         wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_dir,
@@ -1462,9 +1619,23 @@ def open_run(args, run_name, run_dir, first_update):
     return open(os.path.join(run_dir, "metrics.jsonl"), "a")
 
 
+def json_line(row):
+    """One JSON line; a NaN or inf becomes null (bare NaN is not JSON, and strict readers reject it)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}) + "\n"
+
+
+def keep_best_value(row, args):
+    """This row's --keep-best metric (-inf on updates without evaluation); refused if the run never logs it."""
+    if args.keep_best in row:
+        return row[args.keep_best]
+    if args.keep_best.startswith("eval/") and "eval/score" not in row:
+        return -math.inf
+    fail(f"--keep-best {args.keep_best!r} is not a metric of this run: name a key of metrics.jsonl, e.g. eval/score")
+
+
 def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
     """Rank 0: the metrics row, a console line, the sample rows, and their wandb mirror."""
-    metrics_file.write(json.dumps(row) + "\n")
+    metrics_file.write(json_line(row))
     metrics_file.flush()
     bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
     tqdm.write(f"update {row['step']:4d}  score {row['objective/scores']:+.3f}  kl {row['objective/kl']:.3f}  "
@@ -1474,7 +1645,7 @@ def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
     for name, rows in (("samples", samples), ("eval_samples", eval_samples)):
         if rows:
             with open(os.path.join(run_dir, f"{name}.jsonl"), "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+                f.writelines(json_line(r) for r in rows)
     if args.track:
         import wandb
         wandb.log(row, step=row["step"])
@@ -1484,13 +1655,15 @@ def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
                           step=row["step"])
 
 
-def close_run(args, metrics_file, log, run_dir):
+def close_run(args, metrics_file, run_dir):
     if metrics_file is not None:
         metrics_file.close()
         if args.track:
             import wandb
             wandb.finish()
-        log(f"saved policy and critic to {run_dir}/")
+    unlock_run(run_dir)
+    for s, handler in PREVIOUS_HANDLERS.items():  # Ctrl-C means KeyboardInterrupt again
+        signal.signal(s, handler)
 
 
 # --- checkpoints and resume -------------------------------------------------------------------
@@ -1530,35 +1703,177 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_co
         rngs = [rng]
     trained = [m for m in (models.policy, models.critic) if m is not None]
     optimizer_states = [optimizer_state(m, opt) for m, opt in zip(trained, optimizers)]  # gathered: all ranks
+    tmp = final + ".tmp"
     if rank == 0:
-        shutil.rmtree(final + ".tmp", ignore_errors=True)
-    save_models(final + ".tmp", models)  # gathered by all ranks, written by rank 0
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_models(tmp, models)  # gathered by all ranks, written by rank 0
+        if rank == 0:
+            torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
+                            schedulers=[sch.state_dict() for sch in schedulers]), os.path.join(tmp, "state.pt"))
+            write_json(os.path.join(tmp, "flags.json"), asdict(args))  # what resume compares
+            write_json(os.path.join(tmp, "manifest.json"), file_digests(tmp))  # last: what resume verifies
+    except (OSError, RuntimeError) as e:  # a full disk shows as "unexpected pos" from torch's zip writer
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = shutil.disk_usage(ckpt_root).free < 2**20 or "unexpected pos" in str(e)
+        fail(f"cannot write the checkpoint of update {update} to {ckpt_root}/: "
+             f"{'no space left on the device' if full else reason(e)}; the earlier checkpoints are intact")
     if rank == 0:
-        torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
-                        schedulers=[sch.state_dict() for sch in schedulers]), os.path.join(final + ".tmp", "state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(final + ".tmp", final)
+        if os.path.exists(final):  # an explicit --resume of an earlier step replaces the later ones
+            discard(final)
+        os.rename(tmp, final)
         for old in list_checkpoints(ckpt_root)[:-args.keep_checkpoints]:
-            shutil.rmtree(old)
+            discard(old)
 
 
 def find_run(args, rank, world, log):
     """The run's name (rank 0's clock names it), its folder, and the checkpoint to resume from (None:
-    a fresh run, refused where a run already lives). The policy and critic weights come from the
-    checkpoint's folders, the rest from its state.pt."""
-    run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    a fresh run, refused where a run already lives). Rank 0 decides, holding the run's lock, and tells
+    the others; a damaged newest checkpoint gives way to the one before it."""
+    found = dict(name=args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}", resume=args.resume,
+                 error=None)
+    if rank == 0:
+        try:
+            found["resume"] = choose_checkpoint(args, os.path.join("runs", found["name"]), log)
+        except UsageError as e:
+            found["error"] = str(e)
     if world > 1:
-        dist.broadcast_object_list(run_name)
-    run_dir = os.path.join("runs", run_name[0])
-    resume_dir = args.resume
-    if resume_dir == "auto":
-        resume_dir = (list_checkpoints(os.path.join(run_dir, "checkpoints")) or [None])[-1]
-        log(f"--resume auto: {resume_dir or 'no checkpoint yet, starting fresh'}")
-    if resume_dir is not None and not os.path.exists(os.path.join(resume_dir, "state.pt")):
-        fail(f"--resume {resume_dir!r} is not a checkpoint folder (no state.pt): pass runs/<run>/checkpoints/step_<k>")
-    if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
-    return run_name[0], run_dir, resume_dir
+        found = [found]
+        dist.broadcast_object_list(found)
+        found = found[0]
+    if found["error"]:
+        fail(found["error"])
+    return found["name"], os.path.join("runs", found["name"]), found["resume"]
+
+
+def choose_checkpoint(args, run_dir, log):
+    """Rank 0: lock an existing run folder, clear what a killed save left, and pick the checkpoint to resume."""
+    if os.path.isdir(run_dir):
+        lock_run(run_dir)
+        clear_leftovers(os.path.join(run_dir, "checkpoints"))
+    checkpoints = list_checkpoints(os.path.join(run_dir, "checkpoints"))
+    if args.resume is None:
+        if checkpoints or any(line.strip() for line in open_or_empty(os.path.join(run_dir, "metrics.jsonl"))):
+            fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
+        return None
+    if args.resume == "auto":
+        for path in reversed(checkpoints):  # newest first
+            damage = checkpoint_damage(path)
+            if damage is None:
+                log(f"--resume auto: {path}")
+                check_same_flags(args, path)
+                return path
+            log(f"warning: {path} is damaged ({damage}); trying the checkpoint before it")
+        if checkpoints:
+            fail(f"no whole checkpoint in {run_dir}/checkpoints/ (all {len(checkpoints)} are damaged): "
+                 "start a new --run-name")
+        log("--resume auto: no checkpoint yet, starting fresh")
+        return None
+    damage = checkpoint_damage(args.resume)
+    if damage is not None:
+        fail(f"--resume {args.resume!r} is not a whole checkpoint ({damage}): pass runs/<run>/checkpoints/step_<k>")
+    check_same_flags(args, args.resume)
+    return args.resume
+
+
+RUN_LOCKS = {}  # run folder -> its open lock file, held until the process ends
+
+
+def lock_run(run_dir):
+    """One process per run folder: an exclusive lock on runs/<run>/.lock, which the OS drops when the
+    process ends, however it ends. Another process is refused, and told who holds it."""
+    os.makedirs(run_dir, exist_ok=True)
+    if run_dir in RUN_LOCKS and os.path.exists(RUN_LOCKS[run_dir].name):
+        return  # this process holds it already
+    unlock_run(run_dir)  # (an earlier main in this process whose folder was deleted since)
+    f = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        fail(f"{run_dir}/ is in use by another process ({f.read().strip() or 'unknown'}): wait for it to end "
+             "or stop it, or pick another --run-name")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    RUN_LOCKS[run_dir] = f
+
+
+def unlock_run(run_dir):
+    lock = RUN_LOCKS.pop(run_dir, None)
+    if lock is not None:
+        lock.close()
+
+
+def clear_leftovers(ckpt_root):
+    """A killed save leaves step_<k>.tmp/ (never renamed into place) or .discard_* (renamed out, not yet gone)."""
+    if os.path.isdir(ckpt_root):
+        for d in os.listdir(ckpt_root):
+            if d.endswith(".tmp") or d.startswith(".discard_"):
+                shutil.rmtree(os.path.join(ckpt_root, d), ignore_errors=True)
+
+
+def discard(path):
+    """Delete a checkpoint folder by first renaming it out of the step_<k> pattern, so that a kill in
+    the middle of the deletion never leaves a half-deleted folder under a checkpoint's name."""
+    trash = os.path.join(os.path.dirname(path), f".discard_{os.path.basename(path)}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def file_digests(folder):
+    """{relative path: [bytes, sha256]} of every file under `folder` but the manifest itself."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel != "manifest.json":
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 24), b""):
+                        h.update(block)
+                out[rel] = [os.path.getsize(path), h.hexdigest()]
+    return out
+
+
+def checkpoint_damage(path):
+    """None for a whole checkpoint, else what is wrong: every file of its manifest present, of its size
+    and checksum (bit rot, a cut copy, a half-deleted folder), and nothing of it missing."""
+    if not os.path.isdir(path):
+        return "no such folder"
+    try:
+        manifest = json.load(open(os.path.join(path, "manifest.json")))
+    except (OSError, ValueError) as e:
+        return f"no readable manifest.json: {reason(e)}"
+    found = file_digests(path)
+    for rel, (size, digest) in manifest.items():
+        if rel not in found:
+            return f"{rel} is missing"
+        if found[rel] != [size, digest]:
+            return f"{rel} is {'cut or padded' if found[rel][0] != size else 'corrupted (checksum differs)'}"
+    return None
+
+
+# flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes,
+# to extend a run; the learning-rate decay then follows the new length)
+RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
+                     "sample_every", "eval_every", "eval_greedy", "eval_size", "keep_best", "save_every",
+                     "keep_checkpoints", "max_nonfinite_steps", "micro_batch_size", "gradient_checkpointing",
+                     "shard_frozen", "offload_frozen", "precision", "vllm", "vllm_gpu_memory_utilization",
+                     "vllm_sleep", "trust_remote_code"}
+
+
+def check_same_flags(args, ckpt):
+    """Refuse to resume with flags that change what the run computes: list each difference."""
+    saved = json.load(open(os.path.join(ckpt, "flags.json")))
+    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as they were saved
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in now
+             if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+    if diffs:
+        fail(f"{ckpt} was written with other flags ({'; '.join(diffs)}): resume with the run's own flags "
+             f"(its config.json), or start a new --run-name")
 
 
 def restore(resume_dir, trained, optimizers, schedulers, device):
@@ -1600,13 +1915,26 @@ def list_checkpoints(ckpt_root):
 
 
 def truncate_jsonl(path, last_step):
-    """Drop rows written after the checkpoint we resume from, so no row is lost or doubled."""
+    """Drop rows written after the checkpoint we resume from, so no row is lost or doubled. The kept rows
+    go to a file aside, which then replaces the old one: a kill at any moment leaves one or the other."""
     if os.path.exists(path):
         lines = open(path).read().splitlines(keepends=True)
         if lines and not lines[-1].endswith("\n"):
             lines.pop()  # a row cut short by the kill
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.writelines(line for line in lines if json.loads(line)["step"] <= last_step)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+
+def write_json(path, obj):
+    """Write aside, then replace: a reader sees the old file or the new one, never half of one."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
@@ -1618,3 +1946,6 @@ if __name__ == "__main__":
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(e.code)

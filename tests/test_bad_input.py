@@ -38,7 +38,7 @@ def odd_checkpoints(world, tmp_path_factory):
     (["--bootstrap-truncated"], "also pass --missing-eos-penalty None"),
     (["--max-prompt-length", "4"], "longer than --max-prompt-length 4 tokens"),
     (["--total-episodes", "10"], "less than one batch"),
-    (["--resume", "runs/nowhere"], "is not a checkpoint folder"),
+    (["--resume", "runs/nowhere"], "is not a whole checkpoint (no such folder)"),
 ])
 def test_bad_flag(world, flags, message):
     out = run(*flags)
