@@ -22,7 +22,8 @@ checkpoints and prompts: every flag (bench.py's and the ones passed through) is 
 own Args, the models are loaded by ppo.py's `load_models` and the prompts drawn by its `prompt_order`:
   - one `generate` of the batch (the same temperature, top-k and top-p, stopping at the run's stop
     ids) and its decoding: the responses vary in length, so every pass below reuses them;
-  - the no-grad passes, in the run's micro-batches: policy and reference log-probs, critic values,
+  - the no-grad passes, in the run's micro-batches: policy and reference log-probs (through the same
+    head, chunked or plain, as --logprob-chunk says), critic values,
     and the score (reward-model forward and/or the reward function, through ppo.py's `score`);
   - K epochs x minibatches of actor and critic forward+backward (in micro-batches) and
     `optimizer_step` (gradient clipping and AdamW, learning rate 0 so the sampler stays the checkpoint's).
@@ -159,8 +160,8 @@ def measure_floor(pargs, updates):
                 rows = slice(i, i + micro)
                 t = int(lengths[rows].max())
                 mb_qr, mb_am = qr[rows, :P + t], am[rows, :P + t]  # (b, P+t)
-                ppo.policy_logprobs(policy, mb_qr, mb_am, P, pargs.temperature)
-                ppo.policy_logprobs(models.ref_policy, mb_qr, mb_am, P, pargs.temperature)
+                ppo.policy_logprobs(policy, mb_qr, mb_am, P, pargs.temperature, chunk=pargs.logprob_chunk)
+                ppo.policy_logprobs(models.ref_policy, mb_qr, mb_am, P, pargs.temperature, chunk=pargs.logprob_chunk)
                 if critic is not None:
                     ppo.state_values(critic, mb_qr, mb_am, P)
             ppo.score(models, pargs, [prompt_rows[i] for i in batch_idx], texts, qr, am, lengths, P, micro)
@@ -177,7 +178,9 @@ def measure_floor(pargs, updates):
                     idx = mb_idx[i: i + micro]
                     t = int(lengths[idx].max())  # trimmed to the longest response, as in the trainer
                     mb_qr, mb_am, mb_mask = qr[idx, :P + t], am[idx, :P + t], mask[idx, :t]  # (b, P+t), (b, t)
-                    loss = (ppo.policy_logprobs(policy, mb_qr, mb_am, P, pargs.temperature)[0] * mb_mask).sum()
+                    logprobs = ppo.policy_logprobs(policy, mb_qr, mb_am, P, pargs.temperature,
+                                                   chunk=pargs.logprob_chunk)[0]  # (b, t)
+                    loss = (logprobs * mb_mask).sum()
                     if critic is not None:
                         loss = loss + (ppo.state_values(critic, mb_qr, mb_am, P)[:, :t] * mb_mask).sum()
                     (loss / n_tokens).backward()
@@ -246,7 +249,8 @@ def main(args, extra):
         res["ratio_peak_mem"] = res["peak_mem_mb"] / res["trl_peak_rss_mb"]
 
     push = "--vllm" in extra  # HF generate shares the trained weights: nothing to push
-    print(f"\n{args.model}: batch {args.batch_size}, response length {args.response_length}, {args.num_ppo_epochs} epochs x "
+    print(f"\n{args.model}: batch {args.batch_size}, response length {args.response_length}, "
+          f"{args.num_ppo_epochs} epochs x "
           f"{args.num_minibatches} minibatch(es); medians of {len(rows)} updates in {args.rounds} run(s), "
           f"device {'cuda' if torch.cuda.is_available() else 'cpu'}")
     print(f"| {'phase':<35} | {'ppo.py s':>10} | {'floor s':>10} |\n|{'-' * 37}|{'-' * 11}:|{'-' * 11}:|")

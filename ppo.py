@@ -22,7 +22,8 @@ InstructGPT and the N+ reproduction, since it already maps text to a scalar).
 
 Choices worth knowing (each one broke a real trainer somewhere):
 - Every log-prob (old, reference, new) and the entropy come from logits / T, in fp32: the sampler
-  drew from softmax(logits / T), so that is the distribution whose ratio PPO clips.
+  drew from softmax(logits / T), so that is the distribution whose ratio PPO clips. The head runs
+  in chunks of tokens, recomputed in the backward: no (b, T, V) logits are kept (--logprob-chunk).
 - Dropout is off in all four models and position ids come from the attention mask, so the rollout
   pass and the training pass compute the same function (phase 8 checks it).
 - A response ends at the first of one set of stop ids (the checkpoint's generation_config eos ids, its
@@ -98,6 +99,8 @@ class Args:
     stop_tokens: Optional[list[str]] = None
     """the tokens that end a response (default: the policy's generation_config eos ids, its tokenizer's EOS
     and the token that ends an assistant turn in its chat template), e.g. --stop-tokens '<|im_end|>'"""
+    logprob_chunk: int = 256
+    """log-probs from the hidden states, this many tokens at a time: no (b, T, V) logits kept (0 = all at once)"""
     keep_sampling_mask: bool = False
     """with top-p / top-k: every log-prob (old, new) on the truncated distribution the sampler drew from,
     its support kept from the rollout (DeepSeek-V3.2); the reference stays the full softmax"""
@@ -357,12 +360,14 @@ def sampling_support(scaled_logits, top_k, top_p):
 
 
 def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, support=None,
-                    sampler_filter=None):
+                    sampler_filter=None, chunk=0):
     """Log-probs and entropies (b, T) of the response tokens, positions P..P+T-1, and the support they
     are taken on: `support`, a (b, T, V) mask kept from the rollout; or derived from these logits with
     `sampler_filter` = (top_k, top_p), as the sampler did (DeepSeek-V3.2's keep-sampling-mask); or None,
-    the full softmax."""
+    the full softmax, with the head in chunks of `chunk` tokens if > 0 (`chunked_logprobs`)."""
     T = query_responses.shape[1] - P
+    if chunk > 0 and support is None and sampler_filter is None:
+        return *chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk), None
     logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
     if sampler_filter is not None:
         support = sampling_support(logits.float() / temperature, *sampler_filter)  # (b, T, V)
@@ -393,7 +398,7 @@ def state_values(value_model, query_responses, attention_mask, P):
 
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
-                   sampler_filter=None):
+                   sampler_filter=None, chunk=0):
     """Phase 3 but the score, in micro-batches each trimmed to its longest response. Returns the old and
     the reference log-probs and the entropies (B, T); the values before each response token (B, T), 0 on
     padding, and after its last token (B,); the sampler's support (B, T, V) with `sampler_filter`, else None."""
@@ -410,10 +415,10 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
         t = int(lengths[rows].max())
         qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
         logprobs[rows, :t], entropy[rows, :t], mb_support = policy_logprobs(
-            policy, qr, am, P, temperature, with_entropy=True, sampler_filter=sampler_filter)  # (b, t) each
+            policy, qr, am, P, temperature, with_entropy=True, sampler_filter=sampler_filter, chunk=chunk)
         if support is not None:  # kept for every later pass of this batch (old and new log-probs alike)
             support[rows, :t] = mb_support  # (b, t, V)
-        ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature)  # (b, t)
+        ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature, chunk=chunk)  # (b, t)
         if critic is not None:
             values_all[rows, :t + 1] = state_values(critic, qr, am, P)  # (b, t+1)
     values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
@@ -463,16 +468,6 @@ def group_advantages(seq_rewards, group_size, estimator, divide_by_std=True):
         return (adv / (r.std(1, keepdim=True) + 1e-6) if divide_by_std else adv).view(-1)  # (B,)
     # rloo: against the mean of the others (Ahmadian et al. 2024)
     return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)  # (B,)
-
-
-def global_sum(x):
-    """Sum of a tensor over all ranks (itself with one process). Under torchrun every statistic that
-    defines the update is global (whitening, the loss divisor, the adaptive-KL input, the metrics),
-    so N ranks run the same algorithm as one process."""
-    if dist.is_initialized():
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
 
 
 def masked_mean(x, mask):
@@ -552,7 +547,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         support = rollout["support"][idx, :t] if args.keep_sampling_mask else None  # (b, t, V)
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
-                                                           support)  # (b, t) each
+                                                           support, chunk=args.logprob_chunk)  # (b, t) each
         pg_losses, ratio, logratio, pg_clipped = policy_loss(
             new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t],
             args.clip_eps, args.clip_eps_high, args.dual_clip)  # (b, t) each
@@ -665,7 +660,7 @@ def main(args: Args):
         with amp:
             logprobs, ref_logprobs, entropy, values, next_values, support = rollout_passes(
                 policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, args.temperature,
-                sampler_filter)  # (B, T) each; next_values (B,); support (B, T, V) or None
+                sampler_filter, args.logprob_chunk)  # (B, T) each; next_values (B,); support (B, T, V) or None
             with torch.no_grad():
                 scores, score_parts = score(models, args, batch_rows, texts, query_responses, attention_mask,
                                             lengths, P, micro)  # (B,)
@@ -971,6 +966,16 @@ def rank_and_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def global_sum(x):
+    """Sum of a tensor over all ranks (itself with one process). Under torchrun every statistic that
+    defines the update is global (whitening, the loss divisor, the adaptive-KL input, the metrics),
+    so N ranks run the same algorithm as one process."""
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
 def global_max(x, device):
     """The largest value of a float over all ranks (NCCL reduces GPU tensors only, hence the device)."""
     if rank_and_world()[1] == 1:
@@ -1160,6 +1165,9 @@ def load_models(args, resume_dir, device, log):
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     policy, ref_policy, critic = (m and m.to(device) for m in (policy, ref_policy, critic))
+    if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy)):
+        log(f"{type(policy).__name__} transforms its logits after the head: log-probs from all the logits at once")
+        args.logprob_chunk = 0  # (so config.json says what runs)
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model = reward_model and reward_model.to(frozen_device)
     ref_policy = ref_policy.to(frozen_device)
@@ -1424,6 +1432,59 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
             v = forward(reward_model, enc.input_ids, enc.attention_mask)  # (b, L)
             scores.append(v.gather(1, enc.attention_mask.sum(1, keepdim=True) - 1).squeeze(1))  # (b,)
     return torch.cat(scores)  # (B,)
+
+
+# --- memory: the policy head in chunks -------------------------------------------------------
+# At a real vocabulary the (b, T, V) logits and their fp32 copies are most of a log-prob pass's memory
+# (8 x 1,024 tokens x 151,936 x 4 bytes = 5 GB each); these functions never hold more than one chunk's.
+
+def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk):
+    """The same log-probs and entropies (b, T), without the (b, T, V) logits: the model runs up to its
+    head, which is then applied to `chunk` response positions at a time. With a gradient, each chunk is
+    checkpointed, so its (chunk, V) logits are recomputed in the backward instead of kept (verl's fused
+    head does the same by hand). Needs a plain linear head (`check_chunked_head`)."""
+    T = query_responses.shape[1] - P
+    head, captured = model.get_output_embeddings(), []
+
+    def take_hidden(module, inputs):  # the head's input, (b, T+1, H); the head itself then runs on nothing
+        captured.append(inputs[0])
+        return (inputs[0][:, :0],)
+    hook = head.register_forward_pre_hook(take_hidden)
+    try:  # the model's own forward (under FSDP2 too), which leaves the root's head weight gathered
+        forward(model, query_responses, attention_mask, logits_to_keep=T + 1)
+    finally:
+        hook.remove()
+    hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
+    tokens = query_responses[:, P:].flatten()  # (b*T,)
+    parts = []
+    for i in range(0, len(tokens), chunk):
+        inputs = (hidden[i: i + chunk], head, tokens[i: i + chunk], temperature, with_entropy,
+                  getattr(model.config, "final_logit_softcapping", None))
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(head_chunk, *inputs, use_reentrant=False))
+        else:
+            parts.append(head_chunk(*inputs))
+    logprobs = torch.cat([p[0] for p in parts]).view(-1, T)  # (b, T)
+    return logprobs, torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None
+
+
+def head_chunk(hidden, head, tokens, temperature, with_entropy, softcap=None):
+    """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / T)."""
+    logits = nn.functional.linear(hidden, head.weight, head.bias)  # (n, V)
+    if softcap:  # Gemma 2 caps its logits: cap * tanh(logits / cap)
+        logits = softcap * torch.tanh(logits / softcap)  # (n, V)
+    logprobs, entropy = logprobs_from_logits(logits, tokens, temperature, with_entropy)  # (n,) each
+    return logprobs, entropy
+
+
+def chunked_head_works(model, device):
+    """The chunked path takes logits = head(last hidden state) (soft-capped for Gemma 2); a model that
+    transforms them otherwise (a logit scale...) would get other log-probs: compare both paths on a few tokens."""
+    ids = torch.arange(2, 10, device=device)[None] % model.config.vocab_size  # (1, 8)
+    with torch.no_grad():
+        plain = policy_logprobs(model, ids, torch.ones_like(ids), 4, 1.0)[0]  # (1, 4)
+        chunked = policy_logprobs(model, ids, torch.ones_like(ids), 4, 1.0, chunk=3)[0]  # (1, 4)
+    return torch.allclose(plain, chunked, atol=1e-4)
 
 
 # --- vLLM rollouts ----------------------------------------------------------------------------
@@ -1859,6 +1920,7 @@ def checkpoint_damage(path):
 # flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes,
 # to extend a run; the learning-rate decay then follows the new length)
 RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
+                     "logprob_chunk",
                      "sample_every", "eval_every", "eval_greedy", "eval_size", "keep_best", "save_every",
                      "keep_checkpoints", "max_nonfinite_steps", "micro_batch_size", "gradient_checkpointing",
                      "shard_frozen", "offload_frozen", "precision", "vllm", "vllm_gpu_memory_utilization",

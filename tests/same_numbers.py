@@ -3,6 +3,7 @@
     python tests/same_numbers.py                      # against REF below, every flag set
     python tests/same_numbers.py --ref HEAD~3 --only grpo micro
     python tests/same_numbers.py --ref HEAD --ignore ppo/val/clipfrac_avg   # a change meant to move one metric
+    python tests/same_numbers.py --ref HEAD --tol 1e-6   # a change of rounding only (e.g. another matmul shape)
 
 For changes that must not move a number (a restructure, a rename, a tidy-up). Each flag set below
 runs twice on the toy world: once with ppo.py, gae.py and toy.py as REF has them (read with
@@ -62,12 +63,18 @@ def launch(cwd, run_name, flags, ranks):
     return os.path.join(ROOT, "runs", run_name)
 
 
-def first_difference(a, b):
+def differ(x, y, tol):
+    if tol and isinstance(x, float) and isinstance(y, float):
+        return abs(x - y) > tol * max(1.0, abs(x))
+    return x != y
+
+
+def first_difference(a, b, tol=0.0):
     if len(a) != len(b):
         return f"{len(a)} rows against {len(b)}"
     for ra, rb in zip(a, b):
         for k in sorted(set(ra) | set(rb)):
-            if ra.get(k, "missing") != rb.get(k, "missing"):
+            if differ(ra.get(k, "missing"), rb.get(k, "missing"), tol):
                 return f"step {ra.get('step')}: {k} = {ra.get(k, 'missing')!r} against {rb.get(k, 'missing')!r}"
     return None
 
@@ -77,6 +84,7 @@ def main():
     parser.add_argument("--ref", default=REF, help="the commit whose numbers are the reference")
     parser.add_argument("--only", nargs="*", default=list(FLAG_SETS), help="flag sets to run")
     parser.add_argument("--ignore", nargs="*", default=[], help="metric keys a change is meant to move (or add)")
+    parser.add_argument("--tol", type=float, default=0.0, help="floats may differ by tol x max(1, |value|)")
     opts = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="same_numbers_")
     for name in ("ppo.py", "gae.py", "toy.py"):
@@ -91,7 +99,7 @@ def main():
         t = time.time()
         ref_dir = launch(scratch, f"same_ref_{name}", flags, ranks)
         new_dir = launch(ROOT, f"same_new_{name}", flags, ranks)
-        diffs = {f: first_difference(rows(ref_dir, f, opts.ignore), rows(new_dir, f, opts.ignore))
+        diffs = {f: first_difference(rows(ref_dir, f, opts.ignore), rows(new_dir, f, opts.ignore), opts.tol)
                  for f in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")}
         n = len(rows(new_dir, "metrics.jsonl"))
         bad = {f: d for f, d in diffs.items() if d}

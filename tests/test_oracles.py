@@ -49,7 +49,8 @@ def sampled_batch(world, temperature=T_HOT, top_k=0, B=16, response_length=8, se
     return policy, qr, am, lengths, mask, P
 
 
-def test_rollout_passes_equal_each_row_alone(world):
+@pytest.mark.parametrize("chunk", [0, 7])  # the plain head, and the chunked one (7: chunks straddle rows)
+def test_rollout_passes_equal_each_row_alone(world, chunk):
     policy, qr, am, lengths, mask, P = sampled_batch(world, response_length=6)
     ref = AutoModelForCausalLM.from_pretrained(world[0])
     with torch.no_grad():
@@ -58,7 +59,7 @@ def test_rollout_passes_equal_each_row_alone(world):
     seq_cls = AutoModelForSequenceClassification.from_pretrained(world[1]).eval()
     critic = ppo.ValueModel(seq_cls)
     logprobs, ref_logprobs, entropy, values, next_values, support = ppo.rollout_passes(
-        policy, ref, critic, qr, am, mask, P, micro=5, temperature=T_HOT)
+        policy, ref, critic, qr, am, mask, P, micro=5, temperature=T_HOT, chunk=chunk)
     assert support is None
     for i in range(len(lengths)):
         ids, p = unpadded(qr, am, lengths, P, i)
@@ -137,3 +138,45 @@ def test_value_clip_is_anchored_on_the_rollout_values_in_the_update(world):
     stats = ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(micro_batch_size=8))
     assert stats["vf_clip"] == stats["tokens"] > 0
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in critic.parameters())
+
+
+def qwen2_152k():
+    """A Qwen2-shaped policy with the real Qwen2 vocabulary, 151,936 tokens (random init, 2 small layers)."""
+    from transformers import Qwen2Config
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("model_name", ["toy", "qwen2_152k"])
+def test_chunked_head_equals_the_plain_path_with_gradients(world, model_name):
+    model = AutoModelForCausalLM.from_pretrained(world[0]) if model_name == "toy" else qwen2_152k()
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 6, 5, 9
+    qr = torch.randint(3, model.config.vocab_size, (B, P + T), generator=g)
+    am = torch.ones_like(qr)
+    am[0, :3], am[1, P + 4:] = 0, 0  # left padding, and a response cut short
+    weights = torch.rand(B, T, generator=g)
+    out = []
+    for chunk in (0, 10):
+        model.zero_grad()
+        logprobs, entropy, _ = ppo.policy_logprobs(model, qr, am, P, T_HOT, with_entropy=True, chunk=chunk)
+        ((logprobs * weights).sum() + entropy.sum()).backward()
+        out.append((logprobs, entropy, torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (lp0, ent0, g0), (lp1, ent1, g1) = out
+    # fp32 rounding of another matmul shape: within 1e-6 (and 1e-6 relative); gradients within 1e-5 likewise
+    torch.testing.assert_close(lp1, lp0, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent1, ent0, atol=1e-6, rtol=1e-6)
+    assert g0.abs().max() > 1e-3
+    torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-5)
+
+
+def test_the_chunked_head_follows_gemma2s_softcap_and_spots_other_transforms(world):
+    from transformers import CohereConfig, Gemma2Config
+    small = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(**small, final_logit_softcapping=0.5))  # binds hard
+    cohere = AutoModelForCausalLM.from_config(CohereConfig(**small, logit_scale=0.3))  # logits x 0.3 after the head
+    assert ppo.chunked_head_works(gemma2, torch.device("cpu"))
+    assert not ppo.chunked_head_works(cohere, torch.device("cpu"))
