@@ -151,6 +151,8 @@ class Args:
     micro_batch_size: Optional[int] = None
     """rollouts per forward/backward on one rank (memory only: gradients are accumulated to the
     minibatch); None = a rank's whole share of the minibatch"""
+    micro_batch_tokens: Optional[int] = None
+    """instead: micro-batches packed from rows sorted by length, each at most this many padded tokens"""
     clip_eps: float = 0.2
     """policy ratio clip (N+: 0.2)"""
     clip_eps_high: Optional[float] = None
@@ -398,7 +400,7 @@ def state_values(value_model, query_responses, attention_mask, P):
 
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
-                   sampler_filter=None, chunk=0):
+                   sampler_filter=None, chunk=0, budget=None):
     """Phase 3 but the score, in micro-batches each trimmed to its longest response. Returns the old and
     the reference log-probs and the entropies (B, T); the values before each response token (B, T), 0 on
     padding, and after its last token (B,); the sampler's support (B, T, V) with `sampler_filter`, else None."""
@@ -410,8 +412,7 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     support = None
     if sampler_filter is not None:  # B x T x V booleans: small for the toy, gigabytes for a 150K vocabulary
         support = torch.ones(B, T, policy.config.vocab_size, dtype=torch.bool, device=mask.device)
-    for i in range(0, B, micro):
-        rows = slice(i, i + micro)
+    for rows in micro_batches(lengths, P, micro, budget):  # (b,) row indices each
         t = int(lengths[rows].max())
         qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
         logprobs[rows, :t], entropy[rows, :t], mb_support = policy_logprobs(
@@ -537,9 +538,8 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
     world = dist.get_world_size() if dist.is_initialized() else 1  # FSDP averages gradients over ranks
     stats = dict(pg_loss=0.0, vf_loss=0.0, approxkl=0.0, pg_clip=0.0, vf_clip=0.0, ratio=0.0, ratio_dev=0.0,
                  tokens=0.0, ratio_dev_max=0.0)
-    micro = args.micro_batch_size or len(mb_idx)
-    for start in range(0, len(mb_idx), micro):
-        idx = mb_idx[start: start + micro]  # (b,)
+    for part in micro_batches(lengths[mb_idx], P, args.micro_batch_size or len(mb_idx), args.micro_batch_tokens):
+        idx = mb_idx[part]  # (b,)
         t = int(lengths[idx].max())  # trim to the longest response of this micro-batch
         qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
         am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
@@ -660,7 +660,7 @@ def main(args: Args):
         with amp:
             logprobs, ref_logprobs, entropy, values, next_values, support = rollout_passes(
                 policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, args.temperature,
-                sampler_filter, args.logprob_chunk)  # (B, T) each; next_values (B,); support (B, T, V) or None
+                sampler_filter, args.logprob_chunk, args.micro_batch_tokens)  # (B, T) each; next_values (B,)
             with torch.no_grad():
                 scores, score_parts = score(models, args, batch_rows, texts, query_responses, attention_mask,
                                             lengths, P, micro)  # (B,)
@@ -881,8 +881,11 @@ def check_args(args, world):
              "the reference"),
             (a.total_episodes > 0 and a.batch_size > 0, "--total-episodes and --batch-size must be positive"),
             (a.num_minibatches > 0 and a.num_ppo_epochs > 0 and a.group_size > 0 and
-             (a.micro_batch_size is None or a.micro_batch_size > 0),
-             "--num-minibatches, --num-ppo-epochs, --micro-batch-size and --group-size must be positive"),
+             (a.micro_batch_size is None or a.micro_batch_size > 0) and (a.micro_batch_tokens is None or
+                                                                   a.micro_batch_tokens > 0),
+             "--num-minibatches, --num-ppo-epochs, --micro-batch-size(-tokens) and --group-size must be positive"),
+            (a.micro_batch_size is None or a.micro_batch_tokens is None, "--micro-batch-size and "
+             "--micro-batch-tokens are two ways to split a minibatch: pass one"),
             (0 < a.learning_rate <= 1 and 0 < a.critic_learning_rate <= 1, "--learning-rate and "
              "--critic-learning-rate must be in (0, 1]"),
             (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
@@ -1487,6 +1490,26 @@ def chunked_head_works(model, device):
     return torch.allclose(plain, chunked, atol=1e-4)
 
 
+def micro_batches(lengths, P, rows, budget=None):
+    """The row indices of each micro-batch: `rows` rows at a time in order; or, with a token `budget`,
+    rows sorted by length and packed so that each micro-batch's padded size, its rows x (P + its longest
+    response), stays within the budget (verl's dynamic batch size). Every rank gets as many, since a
+    sharded model's forward needs all ranks: the largest are halved until the counts agree."""
+    order = torch.arange(len(lengths), device=lengths.device)  # (B,)
+    if budget is None:
+        batches = list(order.split(rows))
+    else:
+        order, batches = lengths.argsort(descending=True, stable=True), []  # (B,): longest first
+        while len(order):
+            n = max(1, budget // (P + int(lengths[order[0]])))  # the first row is the longest of its batch
+            batches, order = batches + [order[:n]], order[n:]
+    most = global_max(float(len(batches)), lengths.device)  # one all-reduce on every rank
+    while len(batches) < most:
+        i = max(range(len(batches)), key=lambda j: len(batches[j]))
+        batches[i: i + 1] = list(batches[i].chunk(2))
+    return batches
+
+
 # --- vLLM rollouts ----------------------------------------------------------------------------
 # An engine in this process samples; the trainer's own log-probs stay PPO's old ones.
 # Not here yet: top-p / top-k with --vllm (the support is taken from HF's own filters), and
@@ -1920,7 +1943,7 @@ def checkpoint_damage(path):
 # flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes,
 # to extend a run; the learning-rate decay then follows the new length)
 RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
-                     "logprob_chunk",
+                     "logprob_chunk", "micro_batch_tokens",
                      "sample_every", "eval_every", "eval_greedy", "eval_size", "keep_best", "save_every",
                      "keep_checkpoints", "max_nonfinite_steps", "micro_batch_size", "gradient_checkpointing",
                      "shard_frozen", "offload_frozen", "precision", "vllm", "vllm_gpu_memory_utilization",

@@ -128,3 +128,14 @@ def test_two_rank_sigkill_then_resume_is_exact(world):
     a, b = ([json.loads(line) for line in open(f"runs/{run}/metrics.jsonl")] for run in ("test_fsdp_straight", "test_fsdp_killed"))
     assert [r["step"] for r in b] == list(range(1, 9))
     assert without_timings(a) == without_timings(b)  # every rank's sampler, both optimizers' shards restored
+
+
+def test_two_ranks_with_a_token_budget_step_together(world):
+    # each rank packs its own rows by length: the counts of micro-batches differ until the largest are
+    # halved, and a rank that forwards once more than the other would hang in the FSDP all-gather
+    shutil.rmtree("runs/test_fsdp_budget", ignore_errors=True)
+    out = torchrun(2, "ppo.py", "--run-name", "test_fsdp_budget", "--total-episodes", "192", "--micro-batch-tokens",
+                   "120", "--save-every", "0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in open("runs/test_fsdp_budget/metrics.jsonl")]
+    assert len(rows) == 3 and all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)

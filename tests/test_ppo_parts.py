@@ -158,10 +158,11 @@ def test_ratio_is_one_on_a_real_rollout(world):
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
 def test_micro_batches_leave_the_gradient_unchanged(world, loss_agg):
-    grads = []
-    for micro in (32, 16, 8):
+    grads = []  # one micro-batch; 2 and 4 of rows in order; packed by token budgets (sorted by length)
+    for split in (dict(micro_batch_size=32), dict(micro_batch_size=16), dict(micro_batch_size=8),
+                  dict(micro_batch_tokens=60), dict(micro_batch_tokens=150)):
         policy, critic, rollout, P = rollout_batch(world)
-        args = ppo.Args(micro_batch_size=micro, ent_coef=0.01, loss_agg=loss_agg)
+        args = ppo.Args(**split, ent_coef=0.01, loss_agg=loss_agg)
         ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     assert grads[0].abs().max() > 0
@@ -181,3 +182,23 @@ def test_gradient_checkpointing_leaves_the_gradient_unchanged(world):
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
     assert policy.model.gradient_checkpointing and grads[0].abs().max() > 0
+
+
+def test_token_budget_micro_batches_cover_every_row_within_the_budget():
+    lengths = torch.tensor([8, 256, 40, 9, 130, 12, 256, 70, 8, 33])
+    batches = ppo.micro_batches(lengths, P=10, rows=4, budget=300)
+    assert sorted(torch.cat(batches).tolist()) == list(range(10))  # every row once
+    for b in batches:  # rows x (prompt + longest response) within the budget (a single row always fits)
+        assert len(b) == 1 or len(b) * (10 + int(lengths[b].max())) <= 300
+    assert len(batches) < len(ppo.micro_batches(lengths, P=10, rows=1))  # short rows share a micro-batch
+    assert [len(b) for b in ppo.micro_batches(lengths, P=10, rows=4)] == [4, 4, 2]  # without a budget: in order
+
+
+def test_rollout_passes_are_the_same_with_a_token_budget(world):
+    policy, critic, rollout, P = rollout_batch(world)
+    args = (policy, policy, critic, rollout["query_responses"], rollout["attention_mask"], rollout["mask"], P, 32, 0.7)
+    plain, packed = ppo.rollout_passes(*args), ppo.rollout_passes(*args, budget=60)
+    mask = rollout["mask"]  # (what lies on padding depends on the micro-batch's trim, and is never read)
+    for a, b in zip(plain[:4], packed[:4]):
+        torch.testing.assert_close(b * mask, a * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed[4], plain[4], atol=1e-5, rtol=0)  # the values after the last token
