@@ -115,7 +115,7 @@ def main():
     ref, log_path = "kill_ref", "runs/kill_ref_ops.json"
     shutil.rmtree(f"runs/{ref}", ignore_errors=True)
     assert child(ref, log_path=log_path) == 0, "the reference run failed"
-    ops = json.load(open(log_path))
+    ops = json.load(open(log_path))[:-1]  # the last is the child writing this very log, after ppo.main
     if sweep_all:
         chosen = range(1, len(ops) + 1)
     else:  # the checkpoint of update 6, which also prunes step_2; a step on a file inside the temporary
