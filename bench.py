@@ -34,6 +34,16 @@ as trainer seconds per update / floor seconds per update - 1. The floor always g
 compares different work.
 
 Output: one table, then one JSON line with the same figures (last line of stdout).
+
+The scaling table (`--scaling`): random-init Llama policies and reward models at several vocabularies
+(8K: a character-level tokenizer; 32K: Llama 2's; 152K: Qwen2's, both from tests/tokenizers), response
+lengths and body sizes (1M / 10M / 40M parameters without the embeddings and the head), built under
+runs/bench_scaling/. Random weights almost never sample an EOS, so every response is as long as the
+limit, for both trainers. At each point, one process each, in turn: ppo.py, ppo.py with
+--logprob-chunk 0 (the plain head, as ppo.py was before the chunked one), TRL, then the floor;
+wall and CPU seconds per update (medians after the warm-up) and peak RSS.
+
+    python bench.py --scaling --trl-python PATH/TO/trl-env/bin/python --trl-script ../shared/bench/trl_ppo_baseline.py
 """
 import json
 import os
@@ -84,6 +94,11 @@ class Args:
     """the python of an environment with TRL (None = skip TRL)"""
     trl_script: Optional[str] = None
     """TRL baseline script (shared/bench/trl_ppo_baseline.py); needed with --trl-python"""
+    scaling: bool = False
+    """the scaling table instead: --points of (vocabulary, response length, body size), batch --batch-size"""
+    points: tuple[str, ...] = ("8k,256,10M", "32k,256,10M", "152k,256,10M", "152k,64,10M", "152k,1024,10M",
+                               "32k,256,1M", "32k,256,40M")
+    """scaling points: the three axes through (152k, 256, 10M), the size axis at 32k"""
 
 
 def trainer_flags(args, extra):
@@ -119,11 +134,28 @@ def run_trl(args, policy_path, reward_path, prompts_file, workdir):
            "--response-length", str(args.response_length), "--ppo-epochs", str(args.num_ppo_epochs),
            "--mini-batches", str(args.num_minibatches), "--temperature", str(args.temperature),
            "--updates", str(args.updates), "--stop-at-eos", "--out", os.path.join(workdir, "trl_out")]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir)
+    out = subprocess.run([cmd[0], "-c", TRL_WITH_CPU, *cmd[1:]], capture_output=True, text=True, cwd=workdir)
     results = [line[len("RESULT "):] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not results:
-        sys.exit(f"the TRL baseline failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
-    return json.loads(results[-1])
+        return {"failed": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
+    cpu = [line[len("CPU "):] for line in out.stdout.splitlines() if line.startswith("CPU ")]
+    return {**json.loads(results[-1]), "median_cpu_s": json.loads(cpu[-1])}
+
+
+# TRL's baseline, its step timer also reading this process's CPU seconds (the script times wall clock only)
+TRL_WITH_CPU = """
+import json, runpy, statistics, sys, time
+sys.argv = sys.argv[1:]
+base = runpy.run_path(sys.argv[0], run_name="baseline")
+timers, init, end = [], base["StepTimer"].__init__, base["StepTimer"].on_step_end
+def init_cpu(self):
+    init(self); self.cpu, self.c = [], time.process_time(); timers.append(self)
+def end_cpu(self, *a, **k):
+    end(self, *a, **k); now = time.process_time(); self.cpu.append(now - self.c); self.c = now
+base["StepTimer"].__init__, base["StepTimer"].on_step_end = init_cpu, end_cpu
+base["main"]()
+print("CPU", json.dumps(statistics.median(timers[0].cpu[1:] or timers[0].cpu)))
+"""
 
 
 def measure_floor(pargs, updates):
@@ -149,7 +181,7 @@ def measure_floor(pargs, updates):
     for update in range(1, updates + 1):
         batch_idx = ppo.prompt_order(update, len(prompt_rows), pargs, 0, pargs.batch_size)  # (B,)
         sync()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         qr, am, lengths, has_eos, mask, P = ppo.generate(policy, tokenizer, [prompt_ids[i] for i in batch_idx],
                                                          device)[:6]
         texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
@@ -187,7 +219,8 @@ def measure_floor(pargs, updates):
                 ppo.optimizer_step(trained, optimizers, 1.0)
         sync()
         t3 = time.perf_counter()
-        times.append({"generate_s": t1 - t0, "score_s": t2 - t1, "ppo_epochs_s": t3 - t2, "update_s": t3 - t0})
+        times.append({"generate_s": t1 - t0, "score_s": t2 - t1, "ppo_epochs_s": t3 - t2, "update_s": t3 - t0,
+                      "cpu_s": time.process_time() - cpu0})
     return times[1:]
 
 
@@ -223,6 +256,8 @@ def main(args, extra):
         rows += run_ours(flags, f"bench_{os.getpid()}_{r}")
         if args.trl_python:
             trl.append(run_trl(args, policy_path, reward_path, prompts_file, workdir))
+            if "failed" in trl[-1]:
+                sys.exit(f"the TRL baseline failed: {trl[-1]['failed']}")
         floor += measure_floor(pargs, args.updates)
     shutil.rmtree(workdir)
 
@@ -271,5 +306,98 @@ def main(args, extra):
     print(json.dumps({k: round(v, 5) for k, v in res.items()}))
 
 
+# --- the scaling table ------------------------------------------------------------------------
+
+BODIES = {"1M": (128, 4, 384, 4), "10M": (256, 12, 768, 4), "40M": (512, 12, 1536, 8)}  # hidden, layers, mlp, heads
+VOCABS = {"8k": None, "32k": "llama", "152k": "qwen2"}  # tokenizer: a character-level one of 8,192, or a real one
+
+
+def scaling_checkpoint(vocab, body):
+    """runs/bench_scaling/<vocab>_<body>/{policy,reward}: random-init Llama models and their tokenizer."""
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                              LlamaConfig, PreTrainedTokenizerFast)
+    out = os.path.join("runs", "bench_scaling", f"{vocab}_{body}")
+    if os.path.exists(os.path.join(out, "reward", "config.json")):
+        return os.path.join(out, "policy"), os.path.join(out, "reward")
+    if VOCABS[vocab] is None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        words = ["<pad>", "<eos>", "<unk>"] + [chr(c) for c in range(32, 127)]
+        words += [f"<extra_{i}>" for i in range(8192 - len(words))]
+        tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Split("", behavior="isolated"), decoders.Fuse()
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                            unk_token="<unk>")
+    else:
+        sys.path.insert(0, "tests")
+        from real_models import tokenizer_dir
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(VOCABS[vocab]))
+        tokenizer.chat_template = None  # raw text prompts, as the TRL baseline script feeds them
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.unk_token
+    hidden, layers, mlp, heads = BODIES[body]
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                         intermediate_size=mlp, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=2048, tie_word_embeddings=False, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    for name, cls in (("policy", AutoModelForCausalLM), ("reward", AutoModelForSequenceClassification)):
+        cls.from_config(config).save_pretrained(os.path.join(out, name))
+        tokenizer.save_pretrained(os.path.join(out, name))
+    return os.path.join(out, "policy"), os.path.join(out, "reward")
+
+
+def scaling(args, extra):
+    """One row per point: ppo.py, the plain head, TRL and the floor, each timed at the same shapes."""
+    table = []
+    for point in args.points:
+        vocab, length, body = point.split(",")
+        policy, reward = scaling_checkpoint(vocab, body)
+        prompts = os.path.join("runs", "bench_scaling", "prompts.jsonl")
+        g = torch.Generator().manual_seed(0)  # random lower-case words, 4-16 characters, as the TRL script's own
+        with open(prompts, "w") as f:
+            for n in torch.randint(4, 17, (256,), generator=g).tolist():
+                f.write(json.dumps({"prompt": "".join(chr(97 + c) for c in torch.randint(0, 26, (n,), generator=g)
+                                                      .tolist())}) + "\n")
+        a = Args(**{**vars(args), "model": policy, "reward_model": reward, "dataset": prompts,
+                    "response_length": int(length), "scaling": False})
+        flags = trainer_flags(a, ["--critic-init", "reward", "--missing-eos-penalty", "None", *extra])
+        row = {"point": point, "vocab": vocab, "length": int(length), "body": body}
+        for name, more in (("ours", []), ("plain", ["--logprob-chunk", "0"])):
+            rows = run_ours(flags + more, f"bench_{os.getpid()}_{name}")
+            row[f"{name}_wall_s"] = median([r["time/rollout_s"] + r["time/update_s"] + r["time/log_s"]
+                                            for r in rows])
+            row[f"{name}_cpu_s"] = median([r["time/cpu_s"] for r in rows])
+            row[f"{name}_rss_mb"] = max(r["mem/peak_mb"] for r in rows)
+        if args.trl_python:
+            workdir = tempfile.mkdtemp(prefix="bench_")
+            t = run_trl(a, policy, reward, os.path.abspath(prompts), workdir)
+            shutil.rmtree(workdir)
+            row.update({"trl_failed": t["failed"]} if "failed" in t else {
+                "trl_wall_s": t["median_update_s"], "trl_cpu_s": t["median_cpu_s"], "trl_rss_mb": t["peak_rss_mb"]})
+        floor = measure_floor(tyro.cli(ppo.Args, args=flags), args.updates)
+        row["floor_wall_s"] = median([f["update_s"] for f in floor])
+        row["floor_cpu_s"] = median([f["cpu_s"] for f in floor])
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| vocab | T | body | ppo.py CPU s | plain | TRL | floor | ppo.py / TRL | / plain | over floor "
+          "| ppo.py MB | plain MB | TRL MB | / TRL | / plain |\n|" + "---|" * 3 + "---:|" * 12)
+    for r in table:
+        trl = "trl_cpu_s" in r
+        print(f"| {r['vocab']} | {r['length']} | {r['body']} | {r['ours_cpu_s']:.1f} | {r['plain_cpu_s']:.1f} | "
+              + (f"{r['trl_cpu_s']:.1f}" if trl else r.get("trl_failed", "-")[:40]) + f" | {r['floor_cpu_s']:.1f} | "
+              + (f"{r['ours_cpu_s'] / r['trl_cpu_s']:.2f}" if trl else "-")
+              + f" | {r['ours_cpu_s'] / r['plain_cpu_s']:.2f} | {r['ours_cpu_s'] / r['floor_cpu_s'] - 1:+.1%} | "
+              f"{r['ours_rss_mb']:,.0f} | {r['plain_rss_mb']:,.0f} | " + (f"{r['trl_rss_mb']:,.0f}" if trl else "-")
+              + " | " + (f"{r['ours_rss_mb'] / r['trl_rss_mb']:.2f}" if trl else "-")
+              + f" | {r['ours_rss_mb'] / r['plain_rss_mb']:.2f} |")
+
+
 if __name__ == "__main__":
-    main(*tyro.cli(Args, return_unknown_args=True))
+    args, extra = tyro.cli(Args, return_unknown_args=True)
+    if args.scaling:
+        os.chdir(os.path.dirname(os.path.abspath(__file__)))
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        scaling(args, extra)
+    else:
+        main(args, extra)

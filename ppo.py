@@ -361,20 +361,22 @@ def sampling_support(scaled_logits, top_k, top_p):
     return (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
 
 
-def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, support=None,
+def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None,
                     sampler_filter=None, chunk=0):
     """Log-probs and entropies (b, T) of the response tokens, positions P..P+T-1, and the support they
-    are taken on: `support`, a (b, T, V) mask kept from the rollout; or derived from these logits with
-    `sampler_filter` = (top_k, top_p), as the sampler did (DeepSeek-V3.2's keep-sampling-mask); or None,
-    the full softmax, with the head in chunks of `chunk` tokens if > 0 (`chunked_logprobs`)."""
-    T = query_responses.shape[1] - P
-    if chunk > 0 and support is None and sampler_filter is None:
-        return *chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk), None
+    are taken on, as (position, token) pairs over the b*T positions: `keep`, kept from the rollout; or
+    derived from these logits with `sampler_filter` = (top_k, top_p), as the sampler did (DeepSeek-V3.2's
+    keep-sampling-mask); or None, the full softmax. The head runs on `chunk` tokens at a time if > 0."""
+    if chunk > 0:
+        return chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep,
+                                sampler_filter)
+    b, T = query_responses.shape[0], query_responses.shape[1] - P
     logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
-    if sampler_filter is not None:
+    if sampler_filter is not None:  # what the sampler kept at the real positions (padding was not sampled)
         support = sampling_support(logits.float() / temperature, *sampler_filter)  # (b, T, V)
-        support |= (attention_mask[:, P:] == 0)[..., None]  # padding was not sampled: no -inf log-probs there
-    return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, support), support
+        keep = (support & attention_mask[:, P:, None].bool()).flatten(0, 1).nonzero(as_tuple=True)  # (N,) each
+    support = None if keep is None else dense_support(keep, b * T, logits.shape[-1]).view(b, T, -1)  # (b, T, V)
+    return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, support), keep
 
 
 class ValueModel(nn.Module):
@@ -403,27 +405,28 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
                    sampler_filter=None, chunk=0, budget=None):
     """Phase 3 but the score, in micro-batches each trimmed to its longest response. Returns the old and
     the reference log-probs and the entropies (B, T); the values before each response token (B, T), 0 on
-    padding, and after its last token (B,); the sampler's support (B, T, V) with `sampler_filter`, else None."""
+    padding, and after its last token (B,); with `sampler_filter`, the sampler's support as the kept token
+    ids of each of the B*T positions (`pack_support`), else None."""
     B, T = mask.shape
     lengths = mask.sum(1).long()  # (B,)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
     ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
     values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
-    support = None
-    if sampler_filter is not None:  # B x T x V booleans: small for the toy, gigabytes for a 150K vocabulary
-        support = torch.ones(B, T, policy.config.vocab_size, dtype=torch.bool, device=mask.device)
+    kept_pos, kept_tok = [], []  # the sampler's support: (position in B*T, token id) pairs, not B x T x V booleans
     for rows in micro_batches(lengths, P, micro, budget):  # (b,) row indices each
         t = int(lengths[rows].max())
         qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
-        logprobs[rows, :t], entropy[rows, :t], mb_support = policy_logprobs(
+        logprobs[rows, :t], entropy[rows, :t], keep = policy_logprobs(
             policy, qr, am, P, temperature, with_entropy=True, sampler_filter=sampler_filter, chunk=chunk)
-        if support is not None:  # kept for every later pass of this batch (old and new log-probs alike)
-            support[rows, :t] = mb_support  # (b, t, V)
+        if sampler_filter is not None:  # kept for every later pass of this batch (old and new log-probs alike)
+            kept_pos.append(rows[keep[0] // t] * T + keep[0] % t)  # (N,): micro-batch position -> batch position
+            kept_tok.append(keep[1])
         ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature, chunk=chunk)  # (b, t)
         if critic is not None:
             values_all[rows, :t + 1] = state_values(critic, qr, am, P)  # (b, t+1)
     values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
     next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
+    support = pack_support(torch.cat(kept_pos), torch.cat(kept_tok), B * T) if sampler_filter else None
     return logprobs, ref_logprobs, entropy, values, next_values, support
 
 
@@ -544,10 +547,11 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
         am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
-        support = rollout["support"][idx, :t] if args.keep_sampling_mask else None  # (b, t, V)
+        # with --keep-sampling-mask, the rollout's support at these rows' first t positions
+        keep = kept_pairs(rollout["support"], idx, t, mask.shape[1]) if args.keep_sampling_mask else None
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
-                                                           support, chunk=args.logprob_chunk)  # (b, t) each
+                                                           keep, chunk=args.logprob_chunk)  # (b, t) each
         pg_losses, ratio, logratio, pg_clipped = policy_loss(
             new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t],
             args.clip_eps, args.clip_eps_high, args.dual_clip)  # (b, t) each
@@ -643,7 +647,7 @@ def main(args: Args):
     bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
                initial=first_update - 1, total=num_updates, disable=rank != 0)
     for update in bar:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()  # wall clock, and this process's CPU seconds
         # 1. sample prompts (each pass over the prompt set in a fresh order) and generate;
         # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
         batch_idx = prompt_order(update, len(prompt_rows), args, rank, local_batch)  # (B,)
@@ -765,7 +769,7 @@ def main(args: Args):
         # 10. log, save
         t_log = time.perf_counter()
         times = {"time/rollout_s": t_rollout, "time/push_s": t_push, "time/generate_s": t_generate,
-                 "time/update_s": t_update}
+                 "time/update_s": t_update, "time/cpu_s": time.process_time() - cpu0}
         row = metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef,
                           schedulers[0].get_last_lr()[0], times, score_parts, models.gold, tokenizer)
         eval_samples = []
@@ -1441,11 +1445,12 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
 # At a real vocabulary the (b, T, V) logits and their fp32 copies are most of a log-prob pass's memory
 # (8 x 1,024 tokens x 151,936 x 4 bytes = 5 GB each); these functions never hold more than one chunk's.
 
-def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk):
-    """The same log-probs and entropies (b, T), without the (b, T, V) logits: the model runs up to its
-    head, which is then applied to `chunk` response positions at a time. With a gradient, each chunk is
-    checkpointed, so its (chunk, V) logits are recomputed in the backward instead of kept (verl's fused
-    head does the same by hand). Needs a plain linear head (`check_chunked_head`)."""
+def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
+                     sampler_filter=None):
+    """The same log-probs, entropies (b, T) and support pairs, without the (b, T, V) logits: the model runs
+    up to its head, which is then applied to `chunk` response positions at a time. With a gradient, each
+    chunk is checkpointed, so its (chunk, V) logits are recomputed in the backward instead of kept (verl's
+    fused head does the same by hand). Needs a plain linear head (`chunked_head_works`)."""
     T = query_responses.shape[1] - P
     head, captured = model.get_output_embeddings(), []
 
@@ -1459,25 +1464,67 @@ def chunked_logprobs(model, query_responses, attention_mask, P, temperature, wit
         hook.remove()
     hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
     tokens = query_responses[:, P:].flatten()  # (b*T,)
+    valid = attention_mask[:, P:].flatten().bool()  # (b*T,): padding was not sampled
+    softcap = getattr(model.config, "final_logit_softcapping", None)
     parts = []
     for i in range(0, len(tokens), chunk):
-        inputs = (hidden[i: i + chunk], head, tokens[i: i + chunk], temperature, with_entropy,
-                  getattr(model.config, "final_logit_softcapping", None))
+        j = min(i + chunk, len(tokens))
+        chunk_keep = None
+        if keep is not None:  # the pairs of positions i..j-1 (sorted by position), renumbered from 0
+            lo, hi = torch.searchsorted(keep[0], torch.tensor([i, j], device=tokens.device)).tolist()
+            chunk_keep = (keep[0][lo:hi] - i, keep[1][lo:hi])
+        sampler = sampler_filter and (*sampler_filter, valid[i:j])
+        inputs = (hidden[i:j], head, tokens[i:j], temperature, with_entropy, softcap, chunk_keep, sampler)
         if torch.is_grad_enabled():
             parts.append(torch.utils.checkpoint.checkpoint(head_chunk, *inputs, use_reentrant=False))
         else:
             parts.append(head_chunk(*inputs))
     logprobs = torch.cat([p[0] for p in parts]).view(-1, T)  # (b, T)
-    return logprobs, torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None
+    entropy = torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None  # (b, T)
+    if sampler_filter is not None:  # the pairs found, numbered over all b*T positions again
+        keep = (torch.cat([p[2][0] + i * chunk for i, p in enumerate(parts)]), torch.cat([p[2][1] for p in parts]))
+    return logprobs, entropy, keep
 
 
-def head_chunk(hidden, head, tokens, temperature, with_entropy, softcap=None):
-    """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / T)."""
+def head_chunk(hidden, head, tokens, temperature, with_entropy, softcap=None, keep=None, sampler=None):
+    """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / T),
+    on the support `keep`, or on the one `sampler` = (top_k, top_p, valid (n,)) keeps (then returned)."""
     logits = nn.functional.linear(hidden, head.weight, head.bias)  # (n, V)
     if softcap:  # Gemma 2 caps its logits: cap * tanh(logits / cap)
         logits = softcap * torch.tanh(logits / softcap)  # (n, V)
-    logprobs, entropy = logprobs_from_logits(logits, tokens, temperature, with_entropy)  # (n,) each
-    return logprobs, entropy
+    if sampler is not None:
+        support = sampling_support(logits.float() / temperature, *sampler[:2]) & sampler[2][:, None]  # (n, V)
+        keep = support.nonzero(as_tuple=True)  # (N,) each
+    support = None if keep is None else dense_support(keep, *logits.shape)  # (n, V)
+    logprobs, entropy = logprobs_from_logits(logits, tokens, temperature, with_entropy, support)  # (n,) each
+    return logprobs, entropy, keep if sampler is not None else None
+
+
+# The sampler's support (--keep-sampling-mask) as (position, token) pairs: a top-k of 50 over 64 x 256
+# tokens is 3 MB of token ids, where (B, T, V) booleans at a 152K vocabulary are 2.5 GB.
+
+def dense_support(keep, n, V):
+    """(n, V) bool from (position, token) pairs; a position with no pair (padding) keeps every token."""
+    support = torch.zeros(n, V, dtype=torch.bool, device=keep[0].device)
+    support[keep] = True
+    return support | ~support.any(-1, keepdim=True)
+
+
+def pack_support(positions, tokens, n):
+    """Pairs over n positions, packed by position: offsets (n+1,) and token ids (N,), int32."""
+    offsets = torch.zeros(n + 1, dtype=torch.long, device=positions.device)
+    offsets[1:] = torch.bincount(positions, minlength=n).cumsum(0)
+    return offsets, tokens[positions.argsort(stable=True)].int()
+
+
+def kept_pairs(packed, rows, t, T):
+    """The pairs of positions 0..t-1 of `rows` (b,) of a packed (B, T) support, numbered 0..b*t-1 in that order."""
+    offsets, tokens = packed
+    positions = (rows[:, None] * T + torch.arange(t, device=rows.device)).flatten()  # (b*t,)
+    start, count = offsets[positions], offsets[positions + 1] - offsets[positions]  # (n,) each
+    seg = torch.repeat_interleave(torch.arange(len(positions), device=start.device), count)  # (N,)
+    first = torch.repeat_interleave(start - (count.cumsum(0) - count), count)  # (N,): start - pairs before it
+    return seg, tokens[first + torch.arange(len(seg), device=start.device)].long()
 
 
 def chunked_head_works(model, device):

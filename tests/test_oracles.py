@@ -85,11 +85,13 @@ def test_reward_model_reads_the_last_real_token(world):
     torch.testing.assert_close(scores, want, atol=1e-5, rtol=0)
 
 
-def test_the_support_is_kept_at_rollout_when_top_k_binds(world):
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_the_support_is_kept_at_rollout_when_top_k_binds(world, chunk):
     policy, qr, am, lengths, mask, P = sampled_batch(world, top_k=2, seed=2)
-    logprobs, _, _, _, _, support = ppo.rollout_passes(policy, policy, None, qr, am, mask, P, micro=16,
-                                                       temperature=T_HOT, sampler_filter=(2, 1.0))
-    assert (support.sum(-1)[mask.bool()] == 2).all()  # two tokens at every sampled position
+    logprobs, _, _, _, _, support = ppo.rollout_passes(policy, policy, None, qr, am, mask, P, micro=5,
+                                                       temperature=T_HOT, sampler_filter=(2, 1.0), chunk=chunk)
+    kept = support[0].diff().view(mask.shape)  # (B, T): token ids kept per position
+    assert (kept[mask.bool()] == 2).all() and (kept[~mask.bool()] == 0).all()  # two at every sampled position
     for i in range(len(lengths)):
         ids, p = unpadded(qr, am, lengths, P, i)
         n = int(lengths[i])
@@ -180,3 +182,44 @@ def test_the_chunked_head_follows_gemma2s_softcap_and_spots_other_transforms(wor
     cohere = AutoModelForCausalLM.from_config(CohereConfig(**small, logit_scale=0.3))  # logits x 0.3 after the head
     assert ppo.chunked_head_works(gemma2, torch.device("cpu"))
     assert not ppo.chunked_head_works(cohere, torch.device("cpu"))
+
+
+def test_the_kept_support_gives_the_same_numbers_chunked_and_plain_at_152k():
+    """--keep-sampling-mask at Qwen2's vocabulary: the support top-k 50 then top-p 0.9 keeps at rollout, packed
+    as token ids, then the training pass on it, with gradients: the chunked head equals the plain one."""
+    model = qwen2_152k()
+    B, P, T = 4, 5, 9
+    qr = torch.randint(3, model.config.vocab_size, (B, P + T), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(qr)
+    am[0, :3], am[1, P + 4:] = 0, 0  # left padding, and a response cut short
+    with torch.no_grad():  # greedy responses: every real token inside the support, as a sampled one would be
+        for t in range(T):
+            qr[:, P + t] = ppo.forward(model, qr[:, :P + t], am[:, :P + t]).logits[:, -1].argmax(-1)
+    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(2))
+    out = []
+    for chunk in (0, 10):
+        with torch.no_grad():
+            old, _, keep = ppo.policy_logprobs(model, qr, am, P, T_HOT, sampler_filter=(50, 0.9), chunk=chunk)
+        packed = ppo.pack_support(*keep, B * T)
+        kept = ppo.kept_pairs(packed, torch.arange(B), T, T)  # packed and back
+        model.zero_grad()
+        logprobs, entropy, _ = ppo.policy_logprobs(model, qr, am, P, T_HOT, True, kept, chunk=chunk)
+        ((logprobs * weights).sum() + entropy.sum()).backward()
+        torch.testing.assert_close(logprobs, old, atol=1e-6, rtol=0)  # the same weights: ratio 1 on the support
+        support = ppo.dense_support(kept, B * T, model.config.vocab_size)  # (B*T, V)
+        rows = torch.tensor([2, 0])  # a minibatch's rows, out of order: their positions' pairs alone
+        some = ppo.kept_pairs(packed, rows, T, T)
+        want = support.view(B, T, -1)[rows].flatten(0, 1)  # (2*T, V)
+        assert torch.equal(ppo.dense_support(some, 2 * T, model.config.vocab_size), want)
+        out.append((support, logprobs, entropy, torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (s0, lp0, ent0, g0), (s1, lp1, ent1, g1) = out
+    assert torch.equal(s0, s1)
+    n = s0.sum(-1).view(B, T)[am[:, P:].bool()]  # tokens kept at each real position
+    assert n.max() <= 50 and n.min() >= 1 and (n < 50).any()  # top-k binds, and top-p below it somewhere
+    assert (s0.sum(-1).view(B, T)[~am[:, P:].bool()] == model.config.vocab_size).all()  # padding: all of it
+    full, _, _ = ppo.policy_logprobs(model, qr, am, P, T_HOT)
+    assert (lp0 - full)[am[:, P:].bool()].min() > 1e-3  # the truncated distribution, not the softmax
+    torch.testing.assert_close(lp1, lp0, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent1, ent0, atol=1e-6, rtol=1e-6)
+    assert g0.abs().max() > 1e-3
+    torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-5)
