@@ -44,6 +44,10 @@ limit, for both trainers. At each point, one process each, in turn: ppo.py, ppo.
 wall and CPU seconds per update (medians after the warm-up) and peak RSS.
 
     python bench.py --scaling --trl-python PATH/TO/trl-env/bin/python --trl-script ../shared/bench/trl_ppo_baseline.py
+
+Responses of spread lengths (`--spread`): one batch of 32 responses of 8 to 256 tokens through the
+rollout passes and 2 epochs, --micro-batch-size 4 against --micro-batch-tokens of the same largest
+micro-batch (4 x (prompt + 256) padded tokens), CPU seconds.
 """
 import json
 import os
@@ -96,6 +100,8 @@ class Args:
     """TRL baseline script (shared/bench/trl_ppo_baseline.py); needed with --trl-python"""
     scaling: bool = False
     """the scaling table instead: --points of (vocabulary, response length, body size), batch --batch-size"""
+    spread: bool = False
+    """instead: --micro-batch-tokens against --micro-batch-size on one batch of responses of 8 to 256 tokens"""
     points: tuple[str, ...] = ("8k,256,10M", "32k,256,10M", "152k,256,10M", "152k,64,10M", "152k,1024,10M",
                                "32k,256,1M", "32k,256,40M")
     """scaling points: the three axes through (152k, 256, 10M), the size axis at 32k"""
@@ -139,7 +145,9 @@ def run_trl(args, policy_path, reward_path, prompts_file, workdir):
     if out.returncode != 0 or not results:
         return {"failed": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
     cpu = [line[len("CPU "):] for line in out.stdout.splitlines() if line.startswith("CPU ")]
-    return {**json.loads(results[-1]), "median_cpu_s": json.loads(cpu[-1])}
+    rss = json.loads([line[len("RSS "):] for line in out.stdout.splitlines() if line.startswith("RSS ")][-1])
+    res = {**json.loads(results[-1]), "median_cpu_s": json.loads(cpu[-1])}
+    return {**res, "peak_rss_mb": rss} if rss else res
 
 
 # TRL's baseline, its step timer also reading this process's CPU seconds (the script times wall clock only)
@@ -155,6 +163,8 @@ def end_cpu(self, *a, **k):
 base["StepTimer"].__init__, base["StepTimer"].on_step_end = init_cpu, end_cpu
 base["main"]()
 print("CPU", json.dumps(statistics.median(timers[0].cpu[1:] or timers[0].cpu)))
+hwm = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+print("RSS", json.dumps(hwm[0] / 1024 if hwm else None))  # ru_maxrss would include the parent's (kept over exec)
 """
 
 
@@ -379,6 +389,7 @@ def scaling(args, extra):
         row["floor_cpu_s"] = median([f["cpu_s"] for f in floor])
         table.append(row)
         print(json.dumps(row), flush=True)
+    plot_scaling(table, os.path.join("experiments", "scaling_memory.png"))
     print("\n| vocab | T | body | ppo.py CPU s | plain | TRL | floor | ppo.py / TRL | / plain | over floor "
           "| ppo.py MB | plain MB | TRL MB | / TRL | / plain |\n|" + "---|" * 3 + "---:|" * 12)
     for r in table:
@@ -392,6 +403,67 @@ def scaling(args, extra):
               + f" | {r['ours_rss_mb'] / r['plain_rss_mb']:.2f} |")
 
 
+def spread(args, rows=32, micro=4, repeats=3):
+    """The rollout passes and 2 epochs of the update on one batch whose responses run from 8 to 256 tokens
+    (uniform; one of 256), at the 32k / 10M scaling point: micro-batches of `micro` rows in order, each padded to
+    its longest, against rows sorted by length and packed up to `micro` x (P + 256) tokens, the same largest
+    micro-batch and so the same peak of activations. CPU seconds, the best of `repeats`."""
+    policy_path, reward_path = scaling_checkpoint("32k", "10M")
+    pargs = tyro.cli(ppo.Args, args=["--model", policy_path, "--reward-model", reward_path, "--critic-init", "reward",
+                                     "--response-length", "256", "--num-ppo-epochs", "2"])
+    ppo.check_args(pargs, 1)
+    models = ppo.load_models(pargs, None, torch.device("cpu"), lambda *a, **k: None)
+    g = torch.Generator().manual_seed(0)
+    P, T = 16, 256
+    lengths = torch.randint(8, T + 1, (rows,), generator=g)
+    lengths[0] = T
+    mask = (torch.arange(T) < lengths[:, None]).float()  # (B, T)
+    qr = torch.randint(10, models.policy.config.vocab_size, (rows, P + T), generator=g)  # (B, P+T)
+    am = torch.cat([torch.ones(rows, P, dtype=torch.long), mask.long()], 1)  # (B, P+T)
+    out = {}
+    for name, split in (("micro_batch_size", dict(micro_batch_size=micro)),
+                        ("micro_batch_tokens", dict(micro_batch_tokens=micro * (P + T)))):
+        a = ppo.Args(**{**vars(pargs), **split})
+        times = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            logprobs, ref, entropy, values, next_values, _ = ppo.rollout_passes(
+                models.policy, models.ref_policy, models.critic, qr, am, mask, P, a.micro_batch_size or rows,
+                a.temperature, None, a.logprob_chunk, a.micro_batch_tokens)
+            rollout = dict(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=logprobs,
+                           ref_logprobs=ref, values=values, returns=values + torch.randn_like(values),
+                           advantages=torch.randn_like(values) * mask, has_eos=torch.ones(rows, dtype=torch.bool),
+                           kl_coef=0.05)
+            for _ in range(a.num_ppo_epochs):
+                ppo.minibatch_backward(models.policy, models.critic, rollout, torch.randperm(rows), P, a)
+            times.append(time.process_time() - t0)
+        parts = ppo.micro_batches(lengths, P, a.micro_batch_size or rows, a.micro_batch_tokens)
+        out[name] = {"cpu_s": min(times), "micro_batches": len(parts),
+                     "largest_padded_tokens": max(len(p) * (P + int(lengths[p].max())) for p in parts)}
+    out["ratio"] = out["micro_batch_tokens"]["cpu_s"] / out["micro_batch_size"]["cpu_s"]
+    print(json.dumps(out))
+
+
+def plot_scaling(table, path):
+    """Peak RSS against the vocabulary (at 256 tokens, 10M) and against the response length (at 152k, 10M)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, (axis, fixed, xs) in zip(axes, (("vocab", dict(length=256, body="10M"), ("8k", "32k", "152k")),
+                                            ("length", dict(vocab="152k", body="10M"), (64, 256, 1024)))):
+        rows = {r[axis]: r for r in table if all(r[k] == v for k, v in fixed.items())}
+        xs = [x for x in xs if x in rows]
+        for who, label in (("ours", "ppo.py"), ("plain", "ppo.py --logprob-chunk 0"), ("trl", "TRL 1.12")):
+            pts = [(str(x), rows[x][f"{who}_rss_mb"] / 1024) for x in xs if f"{who}_rss_mb" in rows[x]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xlabel("vocabulary (256-token responses)" if axis == "vocab" else "response length (vocabulary 152k)")
+        ax.set_ylabel("peak RSS (GB)"), ax.set_ylim(bottom=0), ax.legend()
+    fig.suptitle("batch 4, 10M-parameter body, 2 PPO epochs, CPU", fontsize=9)
+    fig.tight_layout(), fig.savefig(path, dpi=80)
+
+
 if __name__ == "__main__":
     args, extra = tyro.cli(Args, return_unknown_args=True)
     if args.scaling:
@@ -399,5 +471,9 @@ if __name__ == "__main__":
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
         scaling(args, extra)
+    elif args.spread:
+        os.chdir(os.path.dirname(os.path.abspath(__file__)))
+        transformers.utils.logging.set_verbosity_error()
+        spread(args)
     else:
         main(args, extra)

@@ -33,7 +33,8 @@ Choices worth knowing (each one broke a real trainer somewhere):
   token (the EOS, or the last token of a response cut by the length limit). TRL and the N+ code add
   it one slot after the EOS: equivalent through the bootstrap, and less clean.
 - A response cut by the length limit is not finished: its score is replaced by --missing-eos-penalty
-  (N+), or with --bootstrap-truncated the critic's value after the cut stands in for its future.
+  (N+), or with --bootstrap-truncated the critic's value after the cut stands in for its future, or
+  it leaves the loss (--overlong-filter, DAPO); --overlong-buffer adds DAPO's soft length penalty.
 - Losses are summed over tokens and divided by the valid tokens of the whole minibatch (all
   micro-batches, all ranks), so neither micro-batches nor ranks change the gradient.
 - The value loss clips around the values stored at rollout time, not around the current
@@ -51,6 +52,7 @@ Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -88,8 +90,8 @@ class Args:
     """prompts to train on in all (updates = total_episodes // batch_size)"""
     batch_size: int = 64
     """rollouts per update"""
-    response_length: int = 24
-    """the most tokens generated per response"""
+    response_length: Optional[int] = None
+    """the most tokens generated per response (None: 24; 40 with --model chain, whose longest worked answer is 35)"""
     temperature: float = 0.7
     """sampling temperature; every log-prob is taken at this temperature (N+: 0.7)"""
     top_p: float = 1.0
@@ -121,6 +123,10 @@ class Args:
     """score given instead of the reward model's to a response without EOS (N+: -1; None = off)"""
     bootstrap_truncated: bool = False
     """bootstrap a response without EOS from the critic's value at the cut, instead of scoring it"""
+    overlong_filter: bool = False
+    """responses without EOS leave the policy and value losses (DAPO's over-long filtering)"""
+    overlong_buffer: Optional[int] = None
+    """DAPO's soft over-length penalty: from 0 at --response-length minus this many tokens to -1 at the limit"""
     whiten_rewards: bool = False
     """scale per-token rewards to unit variance, mean kept (off in N+)"""
 
@@ -193,7 +199,8 @@ class Args:
 
     # models
     model: str = "toy"
-    """policy checkpoint (HF causal LM, local path or hub name), or `toy` for the built-in world of toy.py"""
+    """policy checkpoint (HF causal LM, local path or hub name), or a built-in world: `toy` (toy.py) or `chain`
+    (chain.py, verifiable rewards and worked answers)"""
     ref_model: Optional[str] = None
     """the frozen reference of the KL penalty (default: --model)"""
     reward_model: Optional[str] = None
@@ -350,17 +357,6 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, suppor
     return logprobs, lse - expected  # (b, T) each
 
 
-def sampling_support(scaled_logits, top_k, top_p):
-    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool."""
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-    flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
-    if top_k > 0:
-        flat = TopKLogitsWarper(top_k)(None, flat)
-    if top_p < 1.0:
-        flat = TopPLogitsWarper(top_p)(None, flat)
-    return (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
-
-
 def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None,
                     sampler_filter=None, chunk=0):
     """Log-probs and entropies (b, T) of the response tokens, positions P..P+T-1, and the support they
@@ -377,21 +373,6 @@ def policy_logprobs(model, query_responses, attention_mask, P, temperature, with
         keep = (support & attention_mask[:, P:, None].bool()).flatten(0, 1).nonzero(as_tuple=True)  # (N,) each
     support = None if keep is None else dense_support(keep, b * T, logits.shape[-1]).view(b, T, -1)  # (b, T, V)
     return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, support), keep
-
-
-class ValueModel(nn.Module):
-    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
-    one position). A module of its own so that a sharded root forward can call the head."""
-
-    def __init__(self, seq_cls):
-        super().__init__()
-        self.seq_cls = seq_cls
-
-    def forward(self, input_ids, attention_mask, position_ids, **kw):
-        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # (b, P+T, H)
-        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
 
 
 def state_values(value_model, query_responses, attention_mask, P):
@@ -450,6 +431,23 @@ def adaptive_kl_coef(kl_coef, kl, args):
         return kl_coef
     error = float(np.clip(global_sum(kl.sum()).item() / args.batch_size / args.kl_target - 1, -0.2, 0.2))
     return kl_coef * (1 + error * args.batch_size / args.kl_horizon)
+
+
+def long_responses(scores, has_eos, lengths, next_values, args):
+    """The scores of responses the length limit cut (no EOS: unfinished) and of those near it. Truncated:
+    --missing-eos-penalty replaces the score (N+); or --bootstrap-truncated drops it and the critic's value
+    after the cut stands in for the future (returned, else None); --overlong-filter (in the loss) drops them.
+    DAPO's soft penalty (--overlong-buffer): 0 up to limit - buffer tokens, then down linearly to -1 at the limit."""
+    bootstrap_value = None
+    if args.missing_eos_penalty is not None:
+        scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,)
+    if args.bootstrap_truncated:
+        scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
+        bootstrap_value = torch.where(has_eos, 0.0, next_values)  # (B,): ...their future is estimated
+    if args.overlong_buffer is not None:
+        over = (lengths - (args.response_length - args.overlong_buffer)).clamp(min=0)  # (B,): tokens into the buffer
+        scores = scores - over / args.overlong_buffer  # (B,)
+    return scores, bootstrap_value
 
 
 def per_token_rewards(kl, scores, lengths, kl_coef):
@@ -536,8 +534,10 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
     """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed with
     weights normalised over the whole minibatch (all ranks), so the split does not change the gradient."""
     mask, lengths = rollout["mask"], rollout["lengths"]
-    mb_tokens = global_sum(mask[mb_idx].sum())  # valid tokens of the minibatch on all ranks
-    mb_seqs = global_sum(torch.tensor(float(len(mb_idx)), device=mask.device))  # responses, likewise
+    if args.overlong_filter:  # DAPO: truncated responses leave the losses and their normalisers
+        mask = mask * rollout["has_eos"][:, None]  # (B, T)
+    mb_tokens = global_sum(mask[mb_idx].sum()).clamp(min=1)  # valid tokens of the minibatch on all ranks
+    mb_seqs = global_sum((mask[mb_idx].amax(1) > 0).sum().float()).clamp(min=1)  # responses in the loss, likewise
     world = dist.get_world_size() if dist.is_initialized() else 1  # FSDP averages gradients over ranks
     stats = dict(pg_loss=0.0, vf_loss=0.0, approxkl=0.0, pg_clip=0.0, vf_clip=0.0, ratio=0.0, ratio_dev=0.0,
                  tokens=0.0, ratio_dev_max=0.0)
@@ -670,13 +670,8 @@ def main(args: Args):
                                             lengths, P, micro)  # (B,)
         move(models.swapped, "cpu")  # free the accelerator for phase 7
 
-        # 4. per-token rewards: KL penalty everywhere, the score on the last real token
-        bootstrap_value = None
-        if args.missing_eos_penalty is not None:
-            scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,): truncated -> penalty
-        if args.bootstrap_truncated:
-            scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
-            bootstrap_value = torch.where(has_eos, 0.0, next_values)  # (B,): ...their future is estimated
+        # 4. per-token rewards: KL penalty everywhere, the score on the last real token (long responses: see inside)
+        scores, bootstrap_value = long_responses(scores, has_eos, lengths, next_values, args)  # (B,), (B,) or None
         kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
         rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef)
         if args.whiten_rewards:
@@ -739,7 +734,7 @@ def main(args: Args):
                     early_stop = mb_kl / mb_n > args.target_kl
                 if early_stop:
                     break
-            epoch_clipfrac.append(epoch_stats["pg_clip"] / epoch_stats["tokens"])
+            epoch_clipfrac.append(epoch_stats["pg_clip"] / max(epoch_stats["tokens"], 1))
             for k, v in epoch_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
             if early_stop:
@@ -753,11 +748,11 @@ def main(args: Args):
 
         # 8. health check: before the first step the ratio is 1 up to rounding, on average over a minibatch
         dev_sum, dev_tokens = global_sum(torch.tensor(at_start[:2], device=device)).tolist()
-        health = {"ppo/policy/ratio_at_start": dev_sum / dev_tokens,
+        health = {"ppo/policy/ratio_at_start": dev_sum / max(dev_tokens, 1),
                   "ppo/policy/ratio_max_at_start": global_max(at_start[2], device)}  # the largest token's too
         if health["ppo/policy/ratio_at_start"] > args.ratio_check_tol:
-            fail(f"update {update}: mean |ratio - 1| = {dev_sum / dev_tokens:.2e} before any step (tolerance "
-                 f"{args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
+            fail(f"update {update}: mean |ratio - 1| = {health['ppo/policy/ratio_at_start']:.2e} before any step "
+                 f"(tolerance {args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
                  "padding or position ids differ, temperature differs, or the generator's weights are stale")
 
         # 9. push the new weights into the vLLM engine before it samples again
@@ -859,7 +854,8 @@ def reason(e):
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-RESERVED_RUN_NAMES = ("toy", "smollm2")  # runs/<name>/ of the built-in worlds
+WORLDS = ("toy", "chain")  # --model names of the built-in worlds (toy.py, chain.py)
+RESERVED_RUN_NAMES = (*WORLDS, "smollm2")  # runs/<name>/ of the built-in worlds
 
 
 def open_or_empty(path):
@@ -867,8 +863,13 @@ def open_or_empty(path):
 
 
 def check_args(args, world):
-    """Every check that reads only the flags and the world size. Returns the rollouts each rank
-    generates, scores and trains on per update, and the number of updates."""
+    """Every check that reads only the flags and the world size (after filling in the defaults that depend
+    on --model). Returns the rollouts each rank generates, scores and trains on per update, and the number
+    of updates."""
+    if args.response_length is None:
+        args.response_length = 40 if args.model == "chain" else 24
+    if args.model == "chain" and args.reward_model is None and args.reward_fn is None:
+        args.reward_fn = "chain:reward"  # the chain world's verifiable reward
     sampler_filter = args.top_p != 1.0 or args.top_k != 0
     if sampler_filter and not args.keep_sampling_mask:
         fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
@@ -915,6 +916,8 @@ def check_args(args, world):
             (a.keep_checkpoints > 0, "--keep-checkpoints must be >= 1"),
             (0 < a.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
             (a.rollout_is_cap is None or a.rollout_is_cap >= 1, "--rollout-is-cap must be >= 1"),
+            (a.overlong_buffer is None or 0 < a.overlong_buffer <= a.response_length, "--overlong-buffer must be "
+             "in [1, --response-length]"),
             (all(x is None or math.isfinite(x) for x in (a.missing_eos_penalty, a.reward_model_weight,
                                                         a.reward_fn_weight)),
              "--missing-eos-penalty, --reward-model-weight and --reward-fn-weight must be finite"),
@@ -948,7 +951,7 @@ def check_args(args, world):
         fail("--resume auto needs the --run-name of the run to continue")
     if args.rollout_is_cap is not None and not args.vllm:
         fail("--rollout-is-cap corrects for a separate rollout engine: it needs --vllm")
-    if args.ptx_coef > 0 and args.ptx_dataset is None and args.model != "toy":
+    if args.ptx_coef > 0 and args.ptx_dataset is None and args.model not in WORLDS:
         fail("--ptx-coef needs --ptx-dataset, a file with a `text` column")
     return local_batch, num_updates
 
@@ -1068,6 +1071,21 @@ class Models:
     swapped: list  # frozen models moved onto the device for phase 3 only (--offload-frozen, unsharded)
 
 
+class ValueModel(nn.Module):
+    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
+    one position). A module of its own so that a sharded root forward can call the head."""
+
+    def __init__(self, seq_cls):
+        super().__init__()
+        self.seq_cls = seq_cls
+
+    def forward(self, input_ids, attention_mask, position_ids, **kw):
+        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state  # (b, P+T, H)
+        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
+
+
 def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
@@ -1113,11 +1131,11 @@ def load_models(args, resume_dir, device, log):
     """Tokenizers and the four models, dropout off, on the device (frozen ones on the CPU with
     --offload-frozen); the policy and critic from the checkpoint when resuming."""
     gold, policy_path, reward_path = None, args.model, args.reward_model
-    if args.model == "toy":
-        import toy
-        policy_path, toy_reward = toy.build_world()
-        reward_path = reward_path or (None if args.reward_fn else toy_reward)
-        gold = toy.gold
+    if args.model in WORLDS:  # built on first use under runs/<name>/
+        world = importlib.import_module(args.model)
+        policy_path, world_reward = world.build_world()
+        reward_path = reward_path or (None if args.reward_fn else world_reward)
+        gold = getattr(world, "gold", None)
     if reward_path is None and args.reward_fn is None:
         fail("no reward: give --reward-model (a sequence classifier with one label) and/or --reward-fn FILE.py:NAME")
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
@@ -1280,8 +1298,8 @@ def load_prompts(args, tokenizer, log):
         eval_ids = [p[-args.max_prompt_length:] for p in eval_ids]
     ptx_ids = []
     if args.ptx_coef > 0:  # texts for the PPO-ptx loss
-        import toy
-        texts = toy.sft_texts(2048) if args.ptx_dataset is None else load_prompt_rows(
+        world = importlib.import_module(args.model if args.model in WORLDS else "toy")
+        texts = world.sft_texts(2048) if args.ptx_dataset is None else load_prompt_rows(
             Args(dataset=args.ptx_dataset, prompt_column="text", eval_fraction=0))[0]
         ptx_ids = tokenizer([t if isinstance(t, str) else t["prompt"] for t in texts], truncation=True,
                             max_length=args.max_prompt_length + args.response_length).input_ids
@@ -1290,10 +1308,10 @@ def load_prompts(args, tokenizer, log):
 
 def load_prompt_rows(args):
     """Training and evaluation rows (dicts: the prompt column and any others, e.g. a reference answer)."""
-    if args.dataset is None:
-        import toy
-        return ([{"prompt": p} for p in toy.prompts(2048, seed=1234)],
-                [{"prompt": p} for p in toy.prompts(args.eval_size, seed=4321)])
+    if args.dataset is None:  # a built-in world's prompts (the toy's for any other --model)
+        world = importlib.import_module(args.model if args.model in WORLDS else "toy")
+        return ([{"prompt": p} for p in world.prompts(2048, seed=1234)],
+                [{"prompt": p} for p in world.prompts(args.eval_size, seed=4321)])
     import datasets
     ext = os.path.splitext(args.dataset)[1]
     local = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(ext)
@@ -1500,6 +1518,17 @@ def head_chunk(hidden, head, tokens, temperature, with_entropy, softcap=None, ke
     return logprobs, entropy, keep if sampler is not None else None
 
 
+def sampling_support(scaled_logits, top_k, top_p):
+    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
+    if top_k > 0:
+        flat = TopKLogitsWarper(top_k)(None, flat)
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p)(None, flat)
+    return (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
+
+
 # The sampler's support (--keep-sampling-mask) as (position, token) pairs: a top-k of 50 over 64 x 256
 # tokens is 3 MB of token ids, where (B, T, V) booleans at a 152K vocabulary are 2.5 GB.
 
@@ -1682,7 +1711,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         **times,
         "time/generated_tokens": global_sum(lengths.sum()).item(), "time/trained_tokens": n,
         "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
-                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                        else peak_rss_mb()),
     }
     if args.vllm:  # how far the engine's log-probs are from the trainer's, same weights, same tokens
         gap = (rollout["logprobs"] - rollout["engine_logprobs"]).abs() * mask  # (B, T)
@@ -1698,6 +1727,17 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         row["objective/gold"] = float(np.mean([gold(tokenizer.decode(r[: int(k)]))
                                                for r, k in zip(responses, lengths)]))
     return row
+
+
+def peak_rss_mb():
+    """This process's peak resident memory. Linux's VmHWM, not ru_maxrss: a child keeps its parent's
+    ru_maxrss across exec, so a run launched from a large process (a sweep driver, a notebook) would
+    report the parent's peak."""
+    if os.path.exists("/proc/self/status"):
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / (1024 if sys.platform == "darwin" else 1)
 
 
 def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp, device, llm):

@@ -1,6 +1,7 @@
 """The experiments behind the README's claims, on the toy world, on a CPU in minutes.
 
     python experiments/run.py            # the three toy ones; or name some: kl clip critic smollm2
+    python experiments/run.py lengthbias chaincritic budget truncation   # the chain world's four (chain.py)
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -10,6 +11,13 @@
    as gold against wall-clock seconds.
 4. smollm2: a real pretrained chat model, SmolLM2-135M-Instruct (smollm2.py, offline), on the sums task,
    three seeds: the score and the response length per update, seconds per update and peak memory.
+5-8. the chain world (`--model chain`), 3 seeds each, two runs at a time on one thread each:
+   lengthbias: GRPO's loss aggregation and the length of right and wrong answers (Dr. GRPO);
+   chaincritic: the critic on worked answers: plain GAE, value pre-training, decoupled lambda,
+     length-adaptive lambda (VC-PPO / VAPO);
+   budget: GAE against GRPO and RLOO at equal sampled tokens;
+   truncation: a response limit that cuts long worked answers: missing-EOS penalty, bootstrap,
+     over-long filtering, soft over-length penalty (DAPO).
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers the README quotes).
 """
@@ -40,6 +48,180 @@ def train(name, *flags):
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
     print(f"{name}: {len(rows)} updates in {seconds:.0f} s, final score {rows[-1]['objective/scores']:.3f}")
     return rows, seconds
+
+
+def logged_reward(prompts, responses, **columns):
+    """chain.reward, and each response's length and verdict appended to $CHAIN_LOG: one line per call,
+    which is one per update (the experiments evaluate nothing), for the length of right and wrong answers."""
+    sys.path.insert(0, ROOT)
+    import chain
+    scores = chain.reward(prompts, responses)
+    with open(os.environ["CHAIN_LOG"], "a") as f:
+        f.write(json.dumps({"length": [len(r.split()) + 1 for r in responses], "right": scores}) + "\n")
+    return scores
+
+
+def chain_runs(experiment, variants, seeds=(1, 2, 3), parallel=2):
+    """Every (variant, seed) of a chain-world experiment, `parallel` processes at a time on one thread each.
+    Returns {variant: [(metrics rows, per-update length/verdict lists, seconds) for each seed]}."""
+    jobs = [(v, seed) for v in variants for seed in seeds]
+    running, done = [], {}
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    while jobs or running:
+        while jobs and len(running) < parallel:
+            variant, seed = jobs.pop(0)
+            name = f"exp_{experiment}_{variant}_s{seed}"
+            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+            log = os.path.join(ROOT, "runs", f"{name}.lengths.jsonl")
+            if os.path.exists(log):
+                os.remove(log)
+            cmd = [sys.executable, "ppo.py", "--model", "chain", "--run-name", name, "--seed", str(seed),
+                   "--reward-fn", "experiments/run.py:logged_reward", "--sample-every", "0", "--save-every", "0",
+                   *variants[variant]]
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env, CHAIN_LOG=log), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            running.append((proc, variant, name, log, time.perf_counter()))
+        time.sleep(1)
+        for job in [j for j in running if j[0].poll() is not None]:
+            running.remove(job)
+            proc, variant, name, log, t0 = job
+            if proc.returncode != 0:
+                sys.exit(f"{name} failed: {proc.stderr.read()[-2000:]}")
+            rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+            verdicts = [json.loads(line) for line in open(log)]
+            done.setdefault(variant, []).append((rows, verdicts, time.perf_counter() - t0))
+            print(f"{name}: {len(rows)} updates in {time.perf_counter() - t0:.0f} s, accuracy of the last 10 "
+                  f"{np.mean([r['objective/reward_fn'] for r in rows[-10:]]):.2f}", flush=True)
+    return done
+
+
+def curve(runs, key):
+    """(seeds, updates) array of a metric, or of a function of the length/verdict lists."""
+    return np.array([[key(r, v) for r, v in zip(rows, verdicts)] for rows, verdicts, _ in runs])
+
+
+def accuracy(row, verdict):
+    return row["objective/reward_fn"]
+
+
+def length_of(right):
+    def f(row, verdict):
+        n = [k for k, ok in zip(verdict["length"], verdict["right"]) if ok == right]
+        return np.mean(n) if n else np.nan
+    return f
+
+
+def spread_plot(ax, x, y, label):
+    """The mean over seeds and a band from the lowest to the highest seed."""
+    m = np.nanmean(y, 0)
+    ax.plot(x, m, label=label, lw=1.2)
+    ax.fill_between(x, np.nanmin(y, 0), np.nanmax(y, 0), alpha=0.2)
+
+
+def summarise(runs, last=10):
+    """Final accuracy (mean of the last `last` updates) per seed, with its mean and std over seeds."""
+    final = [float(np.mean([r["objective/reward_fn"] for r in rows[-last:]])) for rows, _, _ in runs]
+    return {"final_accuracy_per_seed": final, "final_accuracy_mean": float(np.mean(final)),
+            "final_accuracy_std": float(np.std(final)), "seconds_per_run": float(np.mean([s for *_, s in runs]))}
+
+
+CHAIN_UPDATES = {"lengthbias": 80, "chaincritic": 80, "budget": 80, "truncation": 80}  # each fits 30 minutes here
+
+
+def updates(experiment):
+    return ["--total-episodes", str(64 * CHAIN_UPDATES[experiment])]
+
+
+def length_bias():
+    """Dr. GRPO (Liu et al. 2025): with per-response normalisation (seq-mean-token-mean) a wrong answer's
+    penalty per token shrinks as it grows, so wrong answers lengthen; token-mean and the constant
+    divisor (seq-sum-norm) do not; the group std scales easy and hard prompts apart."""
+    grpo = ["--adv-estimator", "grpo", "--group-size", "8", *updates("lengthbias")]
+    variants = {f"{agg}{'' if std else '_nostd'}": [*grpo, "--loss-agg", agg] + ([] if std else ["--no-group-std"])
+                for agg in ("token-mean", "seq-mean-token-mean", "seq-sum-norm") for std in (True, False)}
+    runs = chain_runs("lengthbias", variants)
+    out, fig, axes = {}, *plt.subplots(1, 3, figsize=(14, 3.6))
+    for name, r in runs.items():
+        x = np.arange(1, len(r[0][0]) + 1)
+        wrong, right = curve(r, length_of(False)), curve(r, length_of(True))
+        out[name] = {**summarise(r), "wrong_length_first10": float(np.nanmean(wrong[:, :10])),
+                     "wrong_length_last10": float(np.nanmean(wrong[:, -10:])),
+                     "right_length_last10": float(np.nanmean(right[:, -10:]))}
+        for ax, y in zip(axes, (curve(r, accuracy), wrong, right)):
+            spread_plot(ax, x, y, name)
+    for ax, title in zip(axes, ("accuracy", "length of wrong answers", "length of right answers")):
+        ax.set_title(title), ax.set_xlabel("update")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, "lengthbias.png"), dpi=80)
+    return out
+
+
+def chain_critic():
+    """The critic on worked answers (VC-PPO, VAPO): plain GAE (lambda 0.95, the critic a fresh head on the
+    policy), value pre-training, decoupled lambda for the critic, and the length-adaptive actor lambda,
+    alpha rescaled to these lengths (0.8: lambda 0.9 at 12 tokens, 0.97 at 35; VAPO's 0.05 is for thousands)."""
+    base = updates("chaincritic")
+    variants = {"gae": base, "warmup10": [*base, "--critic-warmup-updates", "10"],
+                "critic_lam1": [*base, "--critic-lam", "1.0"], "lam_alpha0.8": [*base, "--lam-alpha", "0.8"]}
+    runs = chain_runs("chaincritic", variants)
+    out, fig, axes = {}, *plt.subplots(1, 3, figsize=(14, 3.6))
+    for name, r in runs.items():
+        x = np.arange(1, len(r[0][0]) + 1)
+        ev = curve(r, lambda row, v: row["ppo/val/explained_variance"])
+        out[name] = {**summarise(r), "explained_variance_last10": float(np.mean(ev[:, -10:]))}
+        for ax, y in zip(axes, (curve(r, accuracy), curve(r, lambda row, v: row["ppo/val/response_length"]), ev)):
+            spread_plot(ax, x, y, name)
+    for ax, title in zip(axes, ("accuracy", "response length", "explained variance of the critic")):
+        ax.set_title(title), ax.set_xlabel("update")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, "chaincritic.png"), dpi=80)
+    return out
+
+
+def budget():
+    """The critic (GAE) against group baselines (GRPO, RLOO; 8 samples a prompt) at 64 responses an update:
+    the same sampled tokens per update, so accuracy against tokens generated and against seconds."""
+    base = updates("budget")
+    variants = {"gae": base, "grpo_g8": [*base, "--adv-estimator", "grpo", "--group-size", "8"],
+                "rloo_g8": [*base, "--adv-estimator", "rloo", "--group-size", "8"]}
+    runs = chain_runs("budget", variants)
+    out, fig, axes = {}, *plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, r in runs.items():
+        tokens = np.cumsum(curve(r, lambda row, v: row["time/generated_tokens"]), 1).mean(0)
+        seconds = np.cumsum(curve(r, lambda row, v: row["time/rollout_s"] + row["time/update_s"]), 1).mean(0)
+        acc = curve(r, accuracy)
+        reach = [next((int(t) for t, a in zip(np.cumsum([row["time/generated_tokens"] for row in rows]),
+                                                smooth(acc[i])) if a >= 0.8), None) for i, (rows, _, _) in enumerate(r)]
+        out[name] = {**summarise(r), "tokens_to_accuracy_0.8_per_seed": reach, "seconds": float(seconds[-1])}
+        spread_plot(axes[0], tokens, acc, name), spread_plot(axes[1], seconds, acc, name)
+    axes[0].set_xlabel("tokens generated"), axes[1].set_xlabel("training seconds (phases 1-7, one thread)")
+    for ax in axes:
+        ax.set_ylabel("accuracy"), ax.legend(fontsize=7)
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, "budget.png"), dpi=80)
+    return out
+
+
+def truncation():
+    """A 27-token limit: worked answers to 13+ digits (29+ tokens) are cut. Missing-EOS penalty (-1, N+),
+    bootstrap from the critic, over-long filtering and the soft over-length penalty over 6 tokens (DAPO)."""
+    base = [*updates("truncation"), "--response-length", "27"]
+    variants = {"eos_penalty": base,
+                "bootstrap": [*base, "--bootstrap-truncated", "--missing-eos-penalty", "None"],
+                "overlong_filter": [*base, "--overlong-filter", "--missing-eos-penalty", "None"],
+                "soft_penalty": [*base, "--overlong-buffer", "6", "--missing-eos-penalty", "None"]}
+    runs = chain_runs("truncation", variants)
+    out, fig, axes = {}, *plt.subplots(1, 3, figsize=(14, 3.6))
+    for name, r in runs.items():
+        x = np.arange(1, len(r[0][0]) + 1)
+        eos = curve(r, lambda row, v: row["ppo/val/eos_rate"])
+        out[name] = {**summarise(r), "eos_rate_last10": float(np.mean(eos[:, -10:]))}
+        for ax, y in zip(axes, (curve(r, accuracy), curve(r, lambda row, v: row["ppo/val/response_length"]), eos)):
+            spread_plot(ax, x, y, name)
+    for ax, title in zip(axes, ("accuracy", "response length", "share of responses that end (EOS)")):
+        ax.set_title(title), ax.set_xlabel("update")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, "truncation.png"), dpi=80)
+    return out
 
 
 def smooth(x, k=5):
@@ -133,7 +315,8 @@ if __name__ == "__main__":
     path = os.path.join(HERE, "results.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
     for name, fn in (("kl", kl_ablation), ("clip", clip_fraction), ("critic", critic_ablation),
-                     ("smollm2", smollm2_curve)):
+                     ("smollm2", smollm2_curve), ("lengthbias", length_bias), ("chaincritic", chain_critic),
+                     ("budget", budget), ("truncation", truncation)):
         if name in chosen:
             results[name] = fn()
             json.dump(results, open(path, "w"), indent=1)

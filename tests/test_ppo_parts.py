@@ -162,7 +162,7 @@ def test_micro_batches_leave_the_gradient_unchanged(world, loss_agg):
     for split in (dict(micro_batch_size=32), dict(micro_batch_size=16), dict(micro_batch_size=8),
                   dict(micro_batch_tokens=60), dict(micro_batch_tokens=150)):
         policy, critic, rollout, P = rollout_batch(world)
-        args = ppo.Args(**split, ent_coef=0.01, loss_agg=loss_agg)
+        args = ppo.Args(**split, ent_coef=0.01, loss_agg=loss_agg, response_length=12)
         ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     assert grads[0].abs().max() > 0

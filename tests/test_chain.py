@@ -1,0 +1,93 @@
+"""The chain world (chain.py) and the over-length treatments of DAPO, each against a hand-computed case."""
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import chain
+import ppo
+from test_ppo_parts import rollout_batch
+
+pytestmark = pytest.mark.fast
+
+
+def test_the_chain_reward_reads_the_answer_after_the_marker():
+    prompt = "1 2 3 4 9 ?"  # 19 -> 9
+    assert chain.answer(prompt) == 9
+    assert chain.reward([prompt] * 6, ["1 1 2 3 3 6 4 0 9 9 = 9", "= 9", "= 8", "1 1 = 9 9", "9", "= 9 ="]) == \
+        [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    rng = random.Random(0)
+    assert chain.correct(prompt, chain.worked(prompt, rng, slip=0.0))  # a demonstration without slips is right
+    assert len(chain.worked(prompt, rng, slip=0.0).split()) == 2 * 5 + 2  # two tokens a digit, then "= a"
+    slipped = [chain.correct(p, chain.worked(p, rng, slip=1.0)) for p in chain.prompts(200)]
+    assert sum(slipped) < 60  # every step off by one: mostly wrong (right only when the slips cancel)
+
+
+def test_the_chain_world_is_deterministic(tmp_path):
+    paths = [chain.build_world(str(tmp_path / name), seed=seed, steps=20, log=lambda *a: None)[0]
+             for name, seed in (("a", 0), ("b", 0), ("c", 1))]
+    weights = [load_file(os.path.join(p, "model.safetensors")) for p in paths]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # same seed, same world
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])  # another seed, another one
+    stamps = [json.load(open(tmp_path / name / "world.json")) for name in "ab"]
+    assert stamps[0] == stamps[1]  # the measured start (accuracy, lengths) too
+
+
+def test_long_responses_by_hand():
+    # limit 10, buffer 4: no penalty up to 6 tokens, then -0.25 a token down to -1 at 10 (the one cut there)
+    scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    lengths = torch.tensor([5, 6, 7, 9, 10])
+    has_eos = torch.tensor([True, True, True, True, False])
+    next_values = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7])
+    args = ppo.Args(response_length=10, overlong_buffer=4, missing_eos_penalty=None)
+    out, boot = ppo.long_responses(scores, has_eos, lengths, next_values, args)
+    torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 0.75, 0.25, 0.0]))
+    assert boot is None
+    args = ppo.Args(response_length=10, overlong_buffer=4, missing_eos_penalty=-1.0)  # both: they add up
+    out, _ = ppo.long_responses(scores, has_eos, lengths, next_values, args)
+    torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 0.75, 0.25, -2.0]))
+    args = ppo.Args(response_length=10, bootstrap_truncated=True, missing_eos_penalty=None)
+    out, boot = ppo.long_responses(scores, has_eos, lengths, next_values, args)
+    torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0]))
+    torch.testing.assert_close(boot, torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7]))
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
+def test_overlong_filtering_is_training_on_the_finished_responses_alone(world, loss_agg):
+    # responses 0, 3, 5, ... marked as cut by the limit: with --overlong-filter the gradient (policy and
+    # critic) is the one of a minibatch of the other responses alone, normalisers included
+    grads = []
+    for overlong_filter, rows in ((True, torch.arange(32)), (False, None), (False, torch.arange(32))):
+        policy, critic, rollout, P = rollout_batch(world)
+        cut = torch.arange(32) % 3 == 0
+        rollout["has_eos"] = ~cut  # (only the filter reads it)
+        if rows is None:
+            rows = torch.nonzero(rollout["has_eos"]).squeeze(1)
+        args = ppo.Args(loss_agg=loss_agg, overlong_filter=overlong_filter, response_length=12, micro_batch_size=8)
+        ppo.minibatch_backward(policy, critic, rollout, rows, P, args)
+        grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
+    filtered, finished_only, everything = grads
+    torch.testing.assert_close(filtered, finished_only, atol=1e-6, rtol=1e-5)
+    assert (filtered - everything).abs().max() > 1e-4  # the cut responses did move the unfiltered gradient
+
+
+def test_a_few_updates_of_the_chain_world(tmp_path, monkeypatch):
+    # a small world (a few pre-training steps) stands in for the cached one; the defaults of --model chain
+    # (40-token responses, the chain:reward function, the critic on the policy) are what ppo.main runs
+    small = chain.build_world(str(tmp_path / "chain"), steps=200, log=lambda *a: None)
+    monkeypatch.setattr(chain, "build_world", lambda *a, **k: small)
+    shutil.rmtree("runs/test_chain", ignore_errors=True)
+    ppo.main(ppo.Args(model="chain", run_name="test_chain", total_episodes=64, batch_size=32, num_ppo_epochs=1,
+                      sample_every=1, save_every=0))
+    config = json.load(open("runs/test_chain/config.json"))
+    assert config["response_length"] == 40 and config["reward_fn"] == "chain:reward"
+    rows = [json.loads(line) for line in open("runs/test_chain/metrics.jsonl")]
+    assert len(rows) == 2 and all(0 <= r["objective/reward_fn"] <= 1 for r in rows)
+    samples = [json.loads(line) for line in open("runs/test_chain/samples.jsonl")]
+    assert all(s["prompt"].endswith("?") and s["score"] == chain.reward([s["prompt"]], [s["response"]])[0]
+               for s in samples if s["score"] >= 0)  # (a response cut by the limit gets the missing-EOS penalty)
