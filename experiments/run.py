@@ -2,6 +2,7 @@
 
     python experiments/run.py            # the three toy ones; or name some: kl clip critic smollm2
     python experiments/run.py lengthbias chaincritic budget truncation   # the chain world's four (chain.py)
+    python experiments/run.py firstwrong  # after chaincritic: does its critic see a slip coming
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -178,6 +179,65 @@ def chain_critic():
     return out
 
 
+def first_wrong_step():
+    """How well each chaincritic run's final critic sees a failure coming: 512 fresh prompts, answers sampled at
+    T 0.7; in worked answers that end wrong, the critic's value just after the first wrong running sum, against
+    its value after the same step in answers that end right: the AUC (1 = the critic always ranks the slip
+    lower), and as a control the AUC of the value before the first token (it knows only the prompt)."""
+    sys.path.insert(0, ROOT)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    import chain
+    import ppo
+
+    def auc(low, high):  # P(a value of `high` > a value of `low`), ties count half
+        low, high = np.array(low)[:, None], np.array(high)[None]
+        return float(((high > low) + 0.5 * (high == low)).mean()) if low.size and high.size else float("nan")
+    out = {}
+    for variant in ("gae", "warmup10", "critic_lam1", "lam_alpha0.8"):
+        res = []
+        for seed in (1, 2, 3):
+            d = os.path.join(ROOT, "runs", f"exp_chaincritic_{variant}_s{seed}")
+            tok = AutoTokenizer.from_pretrained(os.path.join(d, "policy"), padding_side="left")
+            policy = AutoModelForCausalLM.from_pretrained(os.path.join(d, "policy")).eval()
+            critic = ppo.ValueModel(AutoModelForSequenceClassification.from_pretrained(os.path.join(d, "critic")).eval())
+            prompts = chain.prompts(512, seed=99)
+            enc = tok(prompts, return_tensors="pt", padding=True)
+            P = enc.input_ids.shape[1]
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                ids = policy.generate(**enc, do_sample=True, temperature=0.7, top_k=0, max_new_tokens=40,
+                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # (B, P+T)
+                am = torch.cat([enc.attention_mask, (ids[:, P:] != tok.pad_token_id).long()], 1)  # (B, P+T)
+                values = ppo.state_values(critic, ids, am, P)  # (B, T+1): column t = before response token t
+            after_same_right, start_wrong, start_right = {}, [], []
+            slips = []
+            for i, p in enumerate(prompts):
+                words = tok.convert_ids_to_tokens(ids[i, P:][am[i, P:].bool()].tolist())
+                text = " ".join(w for w in words if w != tok.eos_token)
+                right = words[-1:] == [tok.eos_token] and chain.correct(p, text)
+                (start_right if right else start_wrong).append(float(values[i, 0]))
+                if words[0] == "=":
+                    continue  # a guess: no steps
+                digits, total, first = [int(x) for x in p.split()[:-1]], 0, None
+                for k, x in enumerate(digits):
+                    total = (total + x) % 10
+                    if 2 * k + 1 < len(words) and words[2 * k + 1] != str(total) and first is None:
+                        first = k
+                column = lambda k: float(values[i, min(2 * k + 2, values.shape[1] - 1)])  # noqa: E731
+                if right:
+                    for k in range(len(digits)):
+                        after_same_right.setdefault(k, []).append(column(k))
+                elif first is not None:
+                    slips.append((first, column(first)))
+            pairs = [auc([v], after_same_right.get(k, [])) for k, v in slips]
+            res.append({"slip_auc": float(np.nanmean(pairs)) if pairs else float("nan"), "slips": len(slips),
+                        "start_auc": auc(start_wrong, start_right)})
+        out[variant] = {k: [r[k] for r in res] for k in res[0]}
+        print(variant, out[variant], flush=True)
+    return out
+
+
 def budget():
     """The critic (GAE) against group baselines (GRPO, RLOO; 8 samples a prompt) at 64 responses an update:
     the same sampled tokens per update, so accuracy against tokens generated and against seconds."""
@@ -316,7 +376,7 @@ if __name__ == "__main__":
     results = json.load(open(path)) if os.path.exists(path) else {}
     for name, fn in (("kl", kl_ablation), ("clip", clip_fraction), ("critic", critic_ablation),
                      ("smollm2", smollm2_curve), ("lengthbias", length_bias), ("chaincritic", chain_critic),
-                     ("budget", budget), ("truncation", truncation)):
+                     ("budget", budget), ("truncation", truncation), ("firstwrong", first_wrong_step)):
         if name in chosen:
             results[name] = fn()
             json.dump(results, open(path, "w"), indent=1)
