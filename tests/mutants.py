@@ -5,8 +5,8 @@ fast tests that must fail on each.
     python tests/mutants.py --all            # every test that kills each mutant, not only the first (slower)
     python tests/mutants.py --only kl-swapped-in-reward position-ids-arange
 
-Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, toy.py, bench.py, smollm2.py, tests/ and
-the toy world under runs/toy), where `python -m pytest -m fast tests` runs (with -x unless --all). A mutant
+Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, toy.py, chain.py, bench.py, smollm2.py,
+tests/ and the toy world under runs/toy), where `python -m pytest -m fast tests` runs (with -x unless --all). A mutant
 the fast subset lets pass is a hole in the suite: the runner exits 1. The unmutated copy must pass first.
 Tests about the layout (the README map, every flag read) do not count as killers.
 """
@@ -93,6 +93,13 @@ MUTANTS = [
     ("kept-support-unpacked-from-the-wrong-offset", "ppo.py",
      "first = torch.repeat_interleave(start - (count.cumsum(0) - count), count)",
      "first = torch.repeat_interleave(start * 0, count)"),
+    # over-length treatments (DAPO)
+    ("overlong-buffer-counted-from-the-limit", "ppo.py",
+     "over = (lengths - (args.response_length - args.overlong_buffer)).clamp(min=0)",
+     "over = (lengths - args.response_length).clamp(min=0)"),
+    ("overlong-filter-keeps-the-cut-rows-in-the-normaliser", "ppo.py",
+     "mb_tokens = global_sum(mask[mb_idx].sum()).clamp(min=1)",
+     "mb_tokens = global_sum(rollout['mask'][mb_idx].sum()).clamp(min=1)"),
     ("chunked-head-off-by-one", "ppo.py",
      "hidden = captured[0][:, :-1].flatten(0, 1)", "hidden = captured[0][:, 1:].flatten(0, 1)"),
     # the state the loop changes, and the warm-up
@@ -128,7 +135,7 @@ NOT_KILLERS = ["--ignore=tests/test_readme_map.py", "--deselect=tests/test_e2e.p
 
 def scratch_copy():
     root = tempfile.mkdtemp(prefix="mutants_")
-    for name in ("ppo.py", "gae.py", "toy.py", "bench.py", "smollm2.py", "README.md"):
+    for name in ("ppo.py", "gae.py", "toy.py", "chain.py", "bench.py", "smollm2.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), root)
     shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),
                     ignore=shutil.ignore_patterns("__pycache__"))
