@@ -102,6 +102,13 @@ MUTANTS = [
      "mb_tokens = global_sum(rollout['mask'][mb_idx].sum()).clamp(min=1)"),
     ("chunked-head-off-by-one", "ppo.py",
      "hidden = captured[0][:, :-1].flatten(0, 1)", "hidden = captured[0][:, 1:].flatten(0, 1)"),
+    # the chunked head's written-out backward
+    ("head-backward-rebuilds-logits-outside-autocast", "ppo.py",
+     "enabled=ctx.amp[2]):", "enabled=False):"),
+    ("head-backward-forgets-the-softcap", "ppo.py",
+     "grad.mul_(dcap if cap else 1 / temperature)", "grad.mul_(1 / temperature)"),
+    ("head-backward-entropy-sign", "ppo.py",
+     "grad.mul_(s.mul_(g_entropy[:, None]).add_(g)).neg_()", "grad.mul_(s.mul_(-g_entropy[:, None]).add_(g)).neg_()"),
     # the state the loop changes, and the warm-up
     ("kl-coef-not-restored", "ppo.py",
      "kl_coef, first_update, best = restore(", "_, first_update, best = restore("),

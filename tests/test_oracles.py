@@ -223,3 +223,42 @@ def test_the_kept_support_gives_the_same_numbers_chunked_and_plain_at_152k():
     torch.testing.assert_close(ent1, ent0, atol=1e-6, rtol=1e-6)
     assert g0.abs().max() > 1e-3
     torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["softcap", "bias", "bf16"])
+def test_the_written_out_head_backward_equals_autograd_through_the_plain_head(case):
+    """`HeadLogprobs.backward` has a branch for each: Gemma 2's logit cap, a head with a bias, and the
+    forward's autocast, under which the backward must rebuild the logits in bf16 as the forward took them."""
+    from transformers import Gemma2Config, LlamaConfig
+    small = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    if case == "softcap":  # a cap of 2 binds: logits of a random head reach several units
+        model = AutoModelForCausalLM.from_config(Gemma2Config(**small, final_logit_softcapping=2.0))
+    else:
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**small))
+    if case == "bias":
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(small["vocab_size"]))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)  # confident rows: the entropy's gradient is not flat
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16")
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 4, 5, 9
+    qr = torch.randint(3, small["vocab_size"], (B, P + T), generator=g)
+    am = torch.ones_like(qr)
+    am[0, :3], am[1, P + 4:] = 0, 0
+    weights = torch.rand(B, T, generator=g)
+    out = []
+    for chunk in (0, 7):
+        model.zero_grad()
+        with amp:
+            logprobs, entropy, _ = ppo.policy_logprobs(model, qr, am, P, T_HOT, with_entropy=True, chunk=chunk)
+        ((logprobs * weights).sum() + 0.5 * entropy.sum()).backward()
+        out.append((logprobs, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, ent0, g0), (lp1, ent1, g1) = out
+    tol = 1e-5 if case != "bf16" else 2e-3  # bf16: another matmul shape may round a logit one bf16 ulp apart
+    torch.testing.assert_close(lp1, lp0, atol=tol, rtol=tol)
+    torch.testing.assert_close(ent1, ent0, atol=tol, rtol=tol)
+    for name in g0:
+        assert g0[name].abs().max() > 1e-3, name
+        torch.testing.assert_close(g1[name], g0[name], atol=tol * 10, rtol=tol * 10, msg=name)
