@@ -357,8 +357,9 @@ def scaling_checkpoint(vocab, body):
 
 
 def scaling(args, extra):
-    """One row per point: ppo.py, the plain head, TRL and the floor, each timed at the same shapes."""
-    table = []
+    """One row per point: ppo.py, the plain head, TRL and the floor, each timed at the same shapes. Each row
+    goes into experiments/scaling.json as it is measured, replacing that point's old row (with the same
+    extra flags), and the table printed at the end is the file's: a few points can be measured again."""
     for point in args.points:
         vocab, length, body = point.split(",")
         policy, reward = scaling_checkpoint(vocab, body)
@@ -371,36 +372,60 @@ def scaling(args, extra):
         a = Args(**{**vars(args), "model": policy, "reward_model": reward, "dataset": prompts,
                     "response_length": int(length), "scaling": False})
         flags = trainer_flags(a, ["--critic-init", "reward", "--missing-eos-penalty", "None", *extra])
-        row = {"point": point, "vocab": vocab, "length": int(length), "body": body}
-        for name, more in (("ours", []), ("plain", ["--logprob-chunk", "0"])):
-            rows = run_ours(flags + more, f"bench_{os.getpid()}_{name}")
-            row[f"{name}_wall_s"] = median([r["time/rollout_s"] + r["time/update_s"] + r["time/log_s"]
-                                            for r in rows])
-            row[f"{name}_cpu_s"] = median([r["time/cpu_s"] for r in rows])
-            row[f"{name}_rss_mb"] = max(r["mem/peak_mb"] for r in rows)
-        if args.trl_python:
-            workdir = tempfile.mkdtemp(prefix="bench_")
-            t = run_trl(a, policy, reward, os.path.abspath(prompts), workdir)
-            shutil.rmtree(workdir)
-            row.update({"trl_failed": t["failed"]} if "failed" in t else {
-                "trl_wall_s": t["median_update_s"], "trl_cpu_s": t["median_cpu_s"], "trl_rss_mb": t["peak_rss_mb"]})
-        floor = measure_floor(tyro.cli(ppo.Args, args=flags), args.updates)
-        row["floor_wall_s"] = median([f["update_s"] for f in floor])
-        row["floor_cpu_s"] = median([f["cpu_s"] for f in floor])
-        table.append(row)
+        row = {"point": point, "vocab": vocab, "length": int(length), "body": body, "flags": " ".join(extra),
+               "date": time.strftime("%Y-%m-%d")}
+        wall, cpu, rss = {}, {}, {}  # per trainer: every counted update of every round; the peak
+        for _ in range(args.rounds):  # ppo.py, its plain head, TRL, the floor, in turn, so drifts hit all four
+            for name, more in (("ours", []), ("plain", ["--logprob-chunk", "0"])):
+                rows = run_ours(flags + more, f"bench_{os.getpid()}_{name}")
+                wall.setdefault(name, []).extend(r["time/rollout_s"] + r["time/update_s"] + r["time/log_s"]
+                                                 for r in rows)
+                cpu.setdefault(name, []).extend(r["time/cpu_s"] for r in rows)
+                rss[name] = max([rss.get(name, 0)] + [r["mem/peak_mb"] for r in rows])
+            if args.trl_python:
+                workdir = tempfile.mkdtemp(prefix="bench_")
+                t = run_trl(a, policy, reward, os.path.abspath(prompts), workdir)
+                shutil.rmtree(workdir)
+                if "failed" in t:
+                    row["trl_failed"] = t["failed"]
+                else:  # the script reports its own medians: one figure per round
+                    wall.setdefault("trl", []).append(t["median_update_s"])
+                    cpu.setdefault("trl", []).append(t["median_cpu_s"])
+                    rss["trl"] = max(rss.get("trl", 0), t["peak_rss_mb"])
+            floor = measure_floor(tyro.cli(ppo.Args, args=flags), args.updates)
+            wall.setdefault("floor", []).extend(f["update_s"] for f in floor)
+            cpu.setdefault("floor", []).extend(f["cpu_s"] for f in floor)
+        for name in wall:
+            row[f"{name}_wall_s"], row[f"{name}_cpu_s"] = median(wall[name]), median(cpu[name])
+            if name in rss:
+                row[f"{name}_rss_mb"] = rss[name]
+        row["rounds"] = args.rounds
+        table = save_row(row, os.path.join("experiments", "scaling.json"))
         print(json.dumps(row), flush=True)
-    plot_scaling(table, os.path.join("experiments", "scaling_memory.png"))
+    plot_scaling([r for r in table if not r.get("flags")], os.path.join("experiments", "scaling_memory.png"))
     print("\n| vocab | T | body | ppo.py CPU s | plain | TRL | floor | ppo.py / TRL | / plain | over floor "
           "| ppo.py MB | plain MB | TRL MB | / TRL | / plain |\n|" + "---|" * 3 + "---:|" * 12)
-    for r in table:
+    for r in sorted(table, key=lambda r: (r.get("flags", ""), list(VOCABS).index(r["vocab"]), r["length"],
+                                          list(BODIES).index(r["body"]))):
         trl = "trl_cpu_s" in r
-        print(f"| {r['vocab']} | {r['length']} | {r['body']} | {r['ours_cpu_s']:.1f} | {r['plain_cpu_s']:.1f} | "
+        print(f"| {r['vocab']} | {r['length']} | {r['body']} {r.get('flags', '')} | {r['ours_cpu_s']:.1f} | {r['plain_cpu_s']:.1f} | "
               + (f"{r['trl_cpu_s']:.1f}" if trl else r.get("trl_failed", "-")[:40]) + f" | {r['floor_cpu_s']:.1f} | "
               + (f"{r['ours_cpu_s'] / r['trl_cpu_s']:.2f}" if trl else "-")
               + f" | {r['ours_cpu_s'] / r['plain_cpu_s']:.2f} | {r['ours_cpu_s'] / r['floor_cpu_s'] - 1:+.1%} | "
               f"{r['ours_rss_mb']:,.0f} | {r['plain_rss_mb']:,.0f} | " + (f"{r['trl_rss_mb']:,.0f}" if trl else "-")
               + " | " + (f"{r['ours_rss_mb'] / r['trl_rss_mb']:.2f}" if trl else "-")
               + f" | {r['ours_rss_mb'] / r['plain_rss_mb']:.2f} |")
+
+
+def save_row(row, path):
+    """Merge one point's row into the table on disk; returns the whole table."""
+    table = json.load(open(path)) if os.path.exists(path) else []
+    same = (row["point"], row["flags"])
+    table = [r for r in table if (r["point"], r.get("flags", "")) != same] + [row]
+    with open(path + ".tmp", "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return table
 
 
 def spread(args, rows=32, micro=4, repeats=3):
