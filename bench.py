@@ -41,7 +41,10 @@ lengths and body sizes (1M / 10M / 40M parameters without the embeddings and the
 runs/bench_scaling/. Random weights almost never sample an EOS, so every response is as long as the
 limit, for both trainers. At each point, one process each, in turn: ppo.py, ppo.py with
 --logprob-chunk 0 (the plain head, as ppo.py was before the chunked one), TRL, then the floor;
-wall and CPU seconds per update (medians after the warm-up) and peak RSS.
+wall and CPU seconds per update (medians after the warm-up) and peak RSS. With --rounds N the four
+run N times in that order and the medians pool them. Each point's row goes into
+experiments/scaling.json as it is measured, replacing that point's row with the same extra flags
+(e.g. --vllm), and the table printed at the end is the whole file.
 
     python bench.py --scaling --trl-python PATH/TO/trl-env/bin/python --trl-script ../shared/bench/trl_ppo_baseline.py
 
@@ -308,8 +311,8 @@ def main(args, extra):
         floor_cell = f"{res[fkey]:.4f}" if fkey else "-"
         print(f"| {name:<35} | {res[key]:>10.4f} | {floor_cell:>10} |")
     print(f"overhead above the floor: {res['overhead_above_floor']:+.1%}")
-    print(f"generated tokens/s {res['generated_tokens_per_s']:.0f}, trained tokens/s {res['trained_tokens_per_s']:.0f}, "
-          f"peak memory {res['peak_mem_mb']:.0f} MB")
+    print(f"generated tokens/s {res['generated_tokens_per_s']:.0f}, "
+          f"trained tokens/s {res['trained_tokens_per_s']:.0f}, peak memory {res['peak_mem_mb']:.0f} MB")
     if trl:
         print(f"TRL: {res['trl_update_s']:.3f} s/update (ours x{res['ratio_update_s']:.3f}), "
               f"peak RSS {res['trl_peak_rss_mb']:.0f} MB (ours x{res['ratio_peak_mem']:.3f})")
@@ -403,18 +406,27 @@ def scaling(args, extra):
         table = save_row(row, os.path.join("experiments", "scaling.json"))
         print(json.dumps(row), flush=True)
     plot_scaling([r for r in table if not r.get("flags")], os.path.join("experiments", "scaling_memory.png"))
-    print("\n| vocab | T | body | ppo.py CPU s | plain | TRL | floor | ppo.py / TRL | / plain | over floor "
-          "| ppo.py MB | plain MB | TRL MB | / TRL | / plain |\n|" + "---|" * 3 + "---:|" * 12)
-    for r in sorted(table, key=lambda r: (r.get("flags", ""), list(VOCABS).index(r["vocab"]), r["length"],
-                                          list(BODIES).index(r["body"]))):
+    print("\n" + "\n".join(scaling_table(table)))
+
+
+def scaling_table(table):
+    """The table as markdown lines: CPU s per update, the ratios, peak RSS; points in order, flagged rows last."""
+    lines = ["| vocabulary | response | body | ppo.py | plain head | TRL 1.12 | floor | ppo.py / TRL | ppo.py / plain "
+             "| over floor | ppo.py MB | plain MB | TRL MB | / TRL | / plain | runs |", "|---|---:|---|" + "---:|" * 13]
+    def order(r):
+        return r.get("flags", ""), list(VOCABS).index(r["vocab"]), r["length"], list(BODIES).index(r["body"])
+    for r in sorted(table, key=order):
         trl = "trl_cpu_s" in r
-        print(f"| {r['vocab']} | {r['length']} | {r['body']} {r.get('flags', '')} | {r['ours_cpu_s']:.1f} | {r['plain_cpu_s']:.1f} | "
-              + (f"{r['trl_cpu_s']:.1f}" if trl else r.get("trl_failed", "-")[:40]) + f" | {r['floor_cpu_s']:.1f} | "
-              + (f"{r['ours_cpu_s'] / r['trl_cpu_s']:.2f}" if trl else "-")
-              + f" | {r['ours_cpu_s'] / r['plain_cpu_s']:.2f} | {r['ours_cpu_s'] / r['floor_cpu_s'] - 1:+.1%} | "
-              f"{r['ours_rss_mb']:,.0f} | {r['plain_rss_mb']:,.0f} | " + (f"{r['trl_rss_mb']:,.0f}" if trl else "-")
-              + " | " + (f"{r['ours_rss_mb'] / r['trl_rss_mb']:.2f}" if trl else "-")
-              + f" | {r['ours_rss_mb'] / r['plain_rss_mb']:.2f} |")
+        ratio = lambda a, b, f="{:.2f}": f.format(r[a] / r[b]) if a in r and b in r else "-"  # noqa: E731
+        cells = [r["vocab"], f"{r['length']:,}", f"{r['body']} {r.get('flags', '')}".strip(),
+                 *(f"{r[k]:.1f}" if k in r else "-" for k in ("ours_cpu_s", "plain_cpu_s", "trl_cpu_s", "floor_cpu_s")),
+                 f"**{ratio('ours_cpu_s', 'trl_cpu_s')}**" if trl else "-", ratio("ours_cpu_s", "plain_cpu_s"),
+                 f"{r['ours_cpu_s'] / r['floor_cpu_s'] - 1:+.1%}",
+                 *(f"{r[k]:,.0f}" if k in r else "-" for k in ("ours_rss_mb", "plain_rss_mb", "trl_rss_mb")),
+                 f"**{ratio('ours_rss_mb', 'trl_rss_mb')}**" if trl else "-", ratio("ours_rss_mb", "plain_rss_mb"),
+                 f"{r.get('rounds', 1)}, {r.get('date', '')}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def save_row(row, path):

@@ -49,3 +49,23 @@ def test_gpu_check_script_ends_cleanly_without_a_gpu(tmp_path):
                          env=dict(os.environ, OUT=str(tmp_path)))
     assert out.returncode == 0 and "no CUDA GPU here" in out.stdout
     assert json.load(open(tmp_path / "gpu_check.json")) == {"skipped": "no CUDA GPU"}
+
+
+def test_a_scaling_point_measured_again_replaces_its_row_and_only_it(tmp_path):
+    import bench
+    path = str(tmp_path / "scaling.json")
+
+    def row(point, flags, cpu):
+        vocab, length, body = point.split(",")
+        return dict(point=point, vocab=vocab, length=int(length), body=body, flags=flags, ours_cpu_s=cpu,
+                    plain_cpu_s=2.0, floor_cpu_s=2.0, ours_rss_mb=1.0, plain_rss_mb=2.0)
+    bench.save_row(row("152k,256,10M", "", 3.0), path)
+    bench.save_row(row("8k,256,10M", "", 1.0), path)
+    bench.save_row(row("152k,256,10M", "--vllm", 5.0), path)  # another row: other flags
+    table = bench.save_row(row("152k,256,10M", "", 4.0), path)  # the same point again: its row replaced
+    assert sorted((r["point"], r["flags"], r["ours_cpu_s"]) for r in table) == [
+        ("152k,256,10M", "", 4.0), ("152k,256,10M", "--vllm", 5.0), ("8k,256,10M", "", 1.0)]
+    assert json.load(open(path)) == table
+    lines = bench.scaling_table(table)
+    assert [line.split(" | ")[2] for line in lines[2:]] == ["10M", "10M", "10M --vllm"]  # by vocabulary, flagged last
+    assert lines[3].split(" | ")[3:10] == ["4.0", "2.0", "-", "2.0", "-", "2.00", "+100.0%"]  # no TRL: dashes
