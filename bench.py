@@ -363,6 +363,7 @@ def scaling(args, extra):
     """One row per point: ppo.py, the plain head, TRL and the floor, each timed at the same shapes. Each row
     goes into experiments/scaling.json as it is measured, replacing that point's old row (with the same
     extra flags), and the table printed at the end is the file's: a few points can be measured again."""
+    table = []
     for point in args.points:
         vocab, length, body = point.split(",")
         policy, reward = scaling_checkpoint(vocab, body)
@@ -415,11 +416,14 @@ def scaling_table(table):
              "| over floor | ppo.py MB | plain MB | TRL MB | / TRL | / plain | runs |", "|---|---:|---|" + "---:|" * 13]
     def order(r):
         return r.get("flags", ""), list(VOCABS).index(r["vocab"]), r["length"], list(BODIES).index(r["body"])
+
+    def ratio(a, b):
+        return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
     for r in sorted(table, key=order):
         trl = "trl_cpu_s" in r
-        ratio = lambda a, b, f="{:.2f}": f.format(r[a] / r[b]) if a in r and b in r else "-"  # noqa: E731
+        trl_cell = f"{r['trl_cpu_s']:.1f}" if trl else r.get("trl_failed", "-")[:40]  # TRL's error, if it failed
         cells = [r["vocab"], f"{r['length']:,}", f"{r['body']} {r.get('flags', '')}".strip(),
-                 *(f"{r[k]:.1f}" if k in r else "-" for k in ("ours_cpu_s", "plain_cpu_s", "trl_cpu_s", "floor_cpu_s")),
+                 f"{r['ours_cpu_s']:.1f}", f"{r['plain_cpu_s']:.1f}", trl_cell, f"{r['floor_cpu_s']:.1f}",
                  f"**{ratio('ours_cpu_s', 'trl_cpu_s')}**" if trl else "-", ratio("ours_cpu_s", "plain_cpu_s"),
                  f"{r['ours_cpu_s'] / r['floor_cpu_s'] - 1:+.1%}",
                  *(f"{r[k]:,.0f}" if k in r else "-" for k in ("ours_rss_mb", "plain_rss_mb", "trl_rss_mb")),

@@ -345,7 +345,7 @@ def forward(model, query_responses, attention_mask, **kw):
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, support=None):
     """Log-prob of `tokens` under softmax(logits / T), by a gather and a logsumexp (no (b, T, V)
     log-softmax copy). `support` (b, T, V) bool: the distribution truncated to what the sampler could draw."""
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # (b, T, V) fp32
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # (b, T, V) fp32; T 1: no copy
     if support is not None:
         logits = logits.masked_fill(~support, -math.inf)  # (b, T, V)
     lse = torch.logsumexp(logits, -1)  # (b, T)
