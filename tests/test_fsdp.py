@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from fp32 import assert_close_fp32
+
 
 def free_port():
     with socket.socket() as s:  # a port nobody holds now, not one a killed run may still hold
@@ -35,8 +37,9 @@ def test_two_ranks_update_equals_one_process(world, tmp_path):
     # the gradient before any step: each rank's loss x N, averaged by FSDP, is the whole minibatch's
     one, two = results[1]["grads"], results[2]["grads"]
     assert one.keys() == two.keys() and max(g.abs().max().item() for g in one.values()) > 1e-3
-    for k in one:
-        torch.testing.assert_close(two[k], one[k], atol=2e-7, rtol=0, msg=k)  # measured: 3.0e-8 (largest |g| 0.49)
+    tokens = 32 * 12  # two half-sums and an all-reduce instead of one sum over the minibatch's tokens (at most)
+    for k in one:  # measured: at most 6e-8 apart (largest |g| 0.67), on AVX2 and AVX-512 alike
+        assert_close_fp32(two[k], one[k], tokens, msg=k)
     initial = AutoModelForCausalLM.from_pretrained(world[0]).state_dict()
     moved = max((results[1]["policy"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-4  # the update did something

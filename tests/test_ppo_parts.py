@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
+from fp32 import assert_close_fp32
 
 pytestmark = pytest.mark.fast
 EOS, PAD = 1, 0
@@ -166,8 +167,8 @@ def test_micro_batches_leave_the_gradient_unchanged(world, loss_agg):
         ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     assert grads[0].abs().max() > 0
-    for g in grads[1:]:
-        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=0)
+    for g in grads[1:]:  # the minibatch's tokens summed in other groups: fp32's rounding of a sum that long
+        assert_close_fp32(g, grads[0], int(rollout["mask"].sum()))
 
 
 def test_gradient_checkpointing_leaves_the_gradient_unchanged(world):
@@ -199,6 +200,6 @@ def test_rollout_passes_are_the_same_with_a_token_budget(world):
     args = (policy, policy, critic, rollout["query_responses"], rollout["attention_mask"], rollout["mask"], P, 32, 0.7)
     plain, packed = ppo.rollout_passes(*args), ppo.rollout_passes(*args, budget=60)
     mask = rollout["mask"]  # (what lies on padding depends on the micro-batch's trim, and is never read)
-    for a, b in zip(plain[:4], packed[:4]):
-        torch.testing.assert_close(b * mask, a * mask, atol=1e-5, rtol=0)
-    torch.testing.assert_close(packed[4], plain[4], atol=1e-5, rtol=0)  # the values after the last token
+    for a, b in zip(plain[:4], packed[:4]):  # other batch shapes: fp32's rounding of the toy's longest sum
+        assert_close_fp32(b * mask, a * mask, 256)
+    assert_close_fp32(packed[4], plain[4], 256)  # the values after the last token
