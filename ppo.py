@@ -5,24 +5,26 @@
     torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
 One update (the numbered phases of the loop in `main`, and of the README):
-  1. sample B prompts and generate one response each at temperature T
+  1. sample B / G prompts and generate G responses each (G = --group-size, 1 for GAE) at temperature tau
   2. cut each response after its first EOS; the mask keeps the EOS
   3. no-grad passes: old log-probs (policy), reference log-probs, values (critic), score (RM)
   4. per-token reward: -beta * KL_t on every token, plus the score on the last real token
   5. GAE (gae.py)
   6. whiten the advantages over valid tokens
   7. K epochs x minibatches x micro-batches of the clipped policy loss and the clipped value loss
-  8. health check: before the first step the importance ratio must be 1 (up to rounding)
+  8. health check: on the first minibatch, before its step, the importance ratio must be 1 (up to rounding)
   9. push the new weights into the vLLM engine (with --vllm)
  10. log, save
 
 Four models: policy (trained), reference (frozen copy of the initial policy), reward model
 (sequence classifier with one output, frozen), critic (trained; starts from the reward model as in
-InstructGPT and the N+ reproduction, since it already maps text to a scalar).
+InstructGPT and the N+ reproduction, since it already maps text to a scalar, when the reward model reads
+the policy's tokens; else from the policy with a fresh scalar head). All four are loaded in fp32, whatever
+their checkpoints are stored in; the forwards run under autocast (--precision).
 
 Choices worth knowing (each one broke a real trainer somewhere):
-- Every log-prob (old, reference, new) and the entropy come from logits / T, in fp32: the sampler
-  drew from softmax(logits / T), so that is the distribution whose ratio PPO clips. The head runs
+- Every log-prob (old, reference, new) and the entropy come from logits / tau, in fp32: the sampler
+  drew from softmax(logits / tau), so that is the distribution whose ratio PPO clips. The head runs
   in chunks of tokens, recomputed in the backward: no (b, T, V) logits are kept (--logprob-chunk).
 - Dropout is off in all four models and position ids come from the attention mask, so the rollout
   pass and the training pass compute the same function (phase 8 checks it).
@@ -31,7 +33,7 @@ Choices worth knowing (each one broke a real trainer somewhere):
   score slot and the vLLM engine: a chat model's turn often ends with a token that is not its EOS.
 - Masks come from the response lengths, never from `token != pad`; the score lands on the last real
   token (the EOS, or the last token of a response cut by the length limit). TRL and the N+ code add
-  it one slot after the EOS: equivalent through the bootstrap, and less clean.
+  it one slot after the EOS, with one more value: the same advantages at lambda 1 only.
 - A response cut by the length limit is not finished: its score is replaced by --missing-eos-penalty
   (N+), or with --bootstrap-truncated the critic's value after the cut stands in for its future, or
   it leaves the loss (--overlong-filter, DAPO); --overlong-buffer adds DAPO's soft length penalty.
@@ -93,7 +95,7 @@ class Args:
     response_length: Optional[int] = None
     """the most tokens generated per response (None: 24; 40 with --model chain, whose longest worked answer is 35)"""
     temperature: float = 0.7
-    """sampling temperature; every log-prob is taken at this temperature (N+: 0.7)"""
+    """sampling temperature tau; every log-prob is taken at this temperature (N+: 0.7)"""
     top_p: float = 1.0
     """nucleus sampling (1.0 = off); needs --keep-sampling-mask"""
     top_k: int = 0
@@ -104,15 +106,18 @@ class Args:
     logprob_chunk: int = 256
     """log-probs from the hidden states, this many tokens at a time: no (b, T, V) logits kept (0 = all at once)"""
     keep_sampling_mask: bool = False
-    """with top-p / top-k: every log-prob (old, new) on the truncated distribution the sampler drew from,
-    its support kept from the rollout (DeepSeek-V3.2); the reference stays the full softmax"""
+    """with top-p / top-k: every log-prob (old, new and the reference's) on the truncated distribution the
+    sampler drew from, its support kept from the rollout (DeepSeek-V3.2), so the KL is 0 while policy = reference"""
 
     # reward
     kl_coef: float = 0.05
     """beta, the per-token KL penalty in the reward (N+: 0.05; InstructGPT: 0.02)"""
-    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    kl_estimator: Optional[Literal["k1", "k2", "k3", "abs"]] = None
     """per-token KL estimate (http://joschu.net/blog/kl-approx.html): k1 = log p - log p_ref (unbiased);
-    k2 = (log p - log p_ref)^2 / 2; k3 = (r - 1) - log r, r = p_ref / p (>= 0, low variance); abs = |k1|"""
+    k2 = (log p - log p_ref)^2 / 2; k3 = (r - 1) - log r, r = p_ref / p (>= 0, low variance); abs = |k1|.
+    In the loss what counts is the gradient: k2's is the reverse KL's, k3's (GRPO) a biased one; k1's is
+    grad log p, with no reference in it and zero mean on-policy (Tang and Munos 2025), abs's likewise,
+    so both are refused there. None: k1 in the reward, k3 in the loss (GRPO's choice)"""
     kl_in_loss: bool = False
     """put beta * KL in the loss (GRPO style) instead of the reward (InstructGPT, default)"""
     kl_target: Optional[float] = None
@@ -122,7 +127,8 @@ class Args:
     missing_eos_penalty: Optional[float] = -1.0
     """score given instead of the reward model's to a response without EOS (N+: -1; None = off)"""
     bootstrap_truncated: bool = False
-    """bootstrap a response without EOS from the critic's value at the cut, instead of scoring it"""
+    """bootstrap a response without EOS from the critic's value at the cut, instead of scoring it (GAE only;
+    needs --missing-eos-penalty None, the other treatment of such responses)"""
     overlong_filter: bool = False
     """responses without EOS leave the policy and value losses (DAPO's over-long filtering)"""
     overlong_buffer: Optional[int] = None
@@ -138,7 +144,8 @@ class Args:
     critic_lam: Optional[float] = None
     """decoupled GAE (VAPO): a lambda of its own for the critic's targets (VAPO: 1.0; None = --lam)"""
     lam_alpha: Optional[float] = None
-    """length-adaptive lambda of VAPO for the policy, 1 - 1 / (alpha * length) (VAPO: 0.05; None = off)"""
+    """length-adaptive lambda of VAPO for the policy's advantages, 1 - 1 / (alpha * length) clamped to [0, 1]
+    (below 1 / alpha tokens the formula goes negative); the critic keeps --lam (VAPO: 0.05; None = off)"""
     adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
     """GAE with the critic; or critic-free, one advantage per response against its group of samples:
     grpo = score - group mean (over the group std, see --group-std), rloo = score - mean of the others"""
@@ -146,8 +153,9 @@ class Args:
     """responses sampled per prompt (the groups of grpo / rloo)"""
     group_std: bool = True
     """grpo: divide by the group's standard deviation (Dr. GRPO drops it)"""
-    whiten_advantages: bool = True
-    """normalise advantages to mean 0, std 1 over valid tokens"""
+    whiten_advantages: Optional[bool] = None
+    """normalise advantages to mean 0, std 1 over valid tokens. None: on for GAE; off for grpo / rloo, whose
+    advantages are already centred per group (re-whitening shifts a group with no signal off 0: a length bias)"""
 
     # PPO update: the ablation menu
     num_ppo_epochs: int = 4
@@ -169,7 +177,8 @@ class Args:
     """how tokens count in the policy loss: each token the same; each response the same; or summed per
     response and divided by a constant, --response-length (Dr. GRPO's fix for the length bias)"""
     target_kl: Optional[float] = None
-    """stop this update's epochs once a minibatch's approx-KL exceeds this (CleanRL; None = off)"""
+    """stop this update's epochs once a minibatch's approx-KL, N+'s mean 0.5 logratio^2, exceeds this (after CleanRL,
+    which stops after the epoch, on the k3 estimate; None = off)"""
     value_clip_eps: Optional[float] = 0.2
     """value clip around the rollout-time values (N+: 0.2; None = no value clipping)"""
     vf_coef: float = 0.1
@@ -181,7 +190,7 @@ class Args:
     ptx_coef: float = 0.0
     """PPO-ptx (InstructGPT): weight of a language-modelling loss on --ptx-dataset (0 = off)"""
     ptx_dataset: Optional[str] = None
-    """texts for PPO-ptx: a .jsonl/.json/.parquet file with a `text` column (toy world: its SFT corpus)"""
+    """texts for PPO-ptx: a .jsonl/.json/.parquet/.csv file with a `text` column (toy world: its SFT corpus)"""
     learning_rate: float = 3e-4
     """actor AdamW learning rate; fits the 130K-parameter toy (N+ uses 3e-6 on 1B-6.9B models)"""
     critic_learning_rate: float = 1e-3
@@ -343,9 +352,9 @@ def forward(model, query_responses, attention_mask, **kw):
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, support=None):
-    """Log-prob of `tokens` under softmax(logits / T), by a gather and a logsumexp (no (b, T, V)
+    """Log-prob of `tokens` under softmax(logits / tau), by a gather and a logsumexp (no (b, T, V)
     log-softmax copy). `support` (b, T, V) bool: the distribution truncated to what the sampler could draw."""
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # (b, T, V) fp32; T 1: no copy
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # (b, T, V) fp32; tau 1: no copy
     if support is not None:
         logits = logits.masked_fill(~support, -math.inf)  # (b, T, V)
     lse = torch.logsumexp(logits, -1)  # (b, T)
@@ -369,7 +378,7 @@ def policy_logprobs(model, query_responses, attention_mask, P, temperature, with
     b, T = query_responses.shape[0], query_responses.shape[1] - P
     logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
     if sampler_filter is not None:  # what the sampler kept at the real positions (padding was not sampled)
-        support = sampling_support(logits.float() / temperature, *sampler_filter)  # (b, T, V)
+        support = sampling_support(logits.float() / temperature, *sampler_filter, query_responses[:, P:])  # (b, T, V)
         keep = (support & attention_mask[:, P:, None].bool()).flatten(0, 1).nonzero(as_tuple=True)  # (N,) each
     support = None if keep is None else dense_support(keep, b * T, logits.shape[-1]).view(b, T, -1)  # (b, T, V)
     return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, support), keep
@@ -402,7 +411,9 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
         if sampler_filter is not None:  # kept for every later pass of this batch (old and new log-probs alike)
             kept_pos.append(rows[keep[0] // t] * T + keep[0] % t)  # (N,): micro-batch position -> batch position
             kept_tok.append(keep[1])
-        ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature, chunk=chunk)  # (b, t)
+        # the reference on the same support: the KL compares two truncated distributions, 0 when they are equal
+        ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature, keep=keep,
+                                                       chunk=chunk)  # (b, t)
         if critic is not None:
             values_all[rows, :t + 1] = state_values(critic, qr, am, P)  # (b, t+1)
     values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
@@ -491,7 +502,7 @@ def masked_whiten(x, mask, shift_mean=True):
     return whitened * mask  # padding stays exactly 0
 
 
-# --- phase 7: the losses, one minibatch's backward, the optimizer step ------------------------
+# --- phases 7-8: the losses, one minibatch's backward, the health check, the optimizer step ---------
 
 def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=None, dual_clip=None):
     """Per-token clipped surrogate: max(-A r, -A clip(r)), i.e. min(A r, A clip(r)) negated.
@@ -502,10 +513,12 @@ def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=
     high = clip_eps if clip_eps_high is None else clip_eps_high  # asymmetric clip (DAPO's clip-higher)
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + high)  # (b, t)
     losses = torch.max(pg_losses, pg_losses2)  # (b, t): the pessimistic bound
-    if dual_clip is not None:  # A < 0 and a huge ratio: cap the loss at -c A (Ye et al. 2020)
-        losses = torch.where(advantages < 0, torch.min(losses, -dual_clip * advantages), losses)  # (b, t)
-    clipped = (pg_losses2 > pg_losses).float()  # (b, t): tokens whose gradient the clip removed
-    return losses, ratio, logratio, clipped
+    clipped = pg_losses2 > pg_losses  # (b, t): tokens whose gradient the clip removed
+    if dual_clip is not None:  # A < 0 and a huge ratio: cap the loss at -c A, a constant (Ye et al. 2020)
+        capped = (advantages < 0) & (losses > -dual_clip * advantages)  # (b, t): no gradient there either
+        losses = torch.where(capped, -dual_clip * advantages, losses)  # (b, t)
+        clipped = clipped | capped  # (b, t)
+    return losses, ratio, logratio, clipped.float()
 
 
 def value_loss(new_values, old_values, returns, value_clip_eps):
@@ -552,8 +565,11 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
                                                            keep, chunk=args.logprob_chunk)  # (b, t) each
+        old_logprobs = rollout["logprobs"][idx, :t]  # (b, t)
+        # padding: the new log-prob set to the old, a ratio of exactly 1 (where 0 x inf would give NaN sums)
+        new_logprobs = torch.where(mc_mask.bool(), new_logprobs, old_logprobs)  # (b, t)
         pg_losses, ratio, logratio, pg_clipped = policy_loss(
-            new_logprobs, rollout["logprobs"][idx, :t], rollout["advantages"][idx, :t],
+            new_logprobs, old_logprobs, rollout["advantages"][idx, :t],
             args.clip_eps, args.clip_eps_high, args.dual_clip)  # (b, t) each
         agg = loss_weights(mc_mask, lengths[idx], mb_tokens, mb_seqs, args.loss_agg, args.response_length)  # (b, t)
         pg_weights = agg  # (b, t)
@@ -590,6 +606,23 @@ def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp):
     labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)  # (b, L): no loss on padding
     with amp:
         return policy(**batch, labels=labels).loss
+
+
+def ratio_health(update, mb_stats, ratio_dev_max, tol, device):
+    """Phase 8, on the first minibatch of the update, before its optimizer step: the policy has not moved
+    yet, so every ratio is 1 up to rounding, and the mean |ratio - 1| over the minibatch (all ranks) must
+    be within `tol`; otherwise the run stops before a broken update is applied. Returns the two metrics."""
+    dev_sum, dev_tokens = global_sum(torch.tensor([mb_stats["ratio_dev"], mb_stats["tokens"]], device=device)).tolist()
+    health = {"ppo/policy/ratio_at_start": dev_sum / max(dev_tokens, 1),
+              "ppo/policy/ratio_max_at_start": global_max(ratio_dev_max, device)}  # the largest token's too
+    if not math.isfinite(health["ppo/policy/ratio_at_start"]):  # (NaN > tol is False: it needs its own test)
+        fail(f"update {update}: the importance ratio is not finite before any step: the old or the new log-probs "
+             "hold NaN or inf (non-finite weights, or a sampled token outside the support they are taken on)")
+    if health["ppo/policy/ratio_at_start"] > tol:
+        fail(f"update {update}: mean |ratio - 1| = {health['ppo/policy/ratio_at_start']:.2e} before any step "
+             f"(tolerance {tol:g}); the rollout and training passes disagree: dropout on, padding or position ids "
+             "differ, temperature differs, or the generator's weights are stale")
+    return health
 
 
 def optimizer_step(models, optimizers, max_grad_norm):
@@ -633,7 +666,7 @@ def main(args: Args):
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
     kl_coef, first_update, best = args.kl_coef, 1, -math.inf  # the state the loop changes and checkpoints
     if resume_dir is not None:
-        kl_coef, first_update, best = restore(resume_dir, trained, optimizers, schedulers, device)
+        kl_coef, first_update, best = restore(resume_dir, trained, optimizers, schedulers, args.keep_best, device)
     metrics_file = open_run(args, run_name, run_dir, first_update)  # rank 0's metrics.jsonl, else None
     sampler_filter = (args.top_k, args.top_p) if args.keep_sampling_mask else None
     mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
@@ -678,19 +711,20 @@ def main(args: Args):
             rewards = masked_whiten(rewards, mask, shift_mean=False)  # (B, T)
 
         # 5. GAE, or a critic-free baseline from each prompt's group of samples
-        lam = args.lam
-        if args.lam_alpha is not None:  # VAPO: longer responses get a lambda closer to 1
-            lam = 1 - 1 / (args.lam_alpha * lengths.float())  # (B,)
-        advantages, returns = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)  # (B, T) each
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)  # (B, T) each
+        if args.lam_alpha is not None:  # VAPO: the policy's lambda nears 1 with the length (the critic keeps --lam)
+            lam = (1 - 1 / (args.lam_alpha * lengths.float())).clamp(0, 1)  # (B,): < 0 below 1 / alpha tokens
+            advantages, _ = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)  # (B, T)
         if args.critic_lam is not None:  # decoupled GAE (VAPO): the critic's targets with their own lambda
             _, returns = compute_gae(rewards, values, mask, args.gamma, args.critic_lam, bootstrap_value)
         if args.adv_estimator != "gae":  # each response's total reward (score + KL penalty) against its group
             seq_adv = group_advantages(rewards.sum(1), args.group_size, args.adv_estimator, args.group_std)  # (B,)
             advantages = seq_adv[:, None] * mask  # (B, T): the response's advantage on each of its tokens
 
-        # 6. whiten advantages over valid tokens only (padding re-zeroed inside)
+        # 6. whiten advantages over the tokens in the loss (padding re-zeroed inside); GAE only by default
         if args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)  # (B, T)
+            in_loss = mask * has_eos[:, None] if args.overlong_filter else mask  # (B, T): DAPO drops the cut ones
+            advantages = masked_whiten(advantages, in_loss)  # (B, T)
         t_rollout = time.perf_counter() - t0
 
         # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
@@ -706,7 +740,7 @@ def main(args: Args):
                 rollout["is_weights"] = rollout["engine_ratio"].clamp(max=args.rollout_is_cap)  # (B, T)
             if engine_sleeps:
                 llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
-        stats, epoch_clipfrac, at_start, skipped_steps, early_stop = {}, [], None, 0, False
+        stats, epoch_clipfrac, health, skipped_steps, early_stop = {}, [], None, 0, False
         for model in trained:  # HF recomputes activations only in training mode (dropout stays off)
             model.train(args.gradient_checkpointing)
         stepping = optimizers if update > args.critic_warmup_updates else optimizers[1:]  # warm-up: critic only
@@ -716,8 +750,8 @@ def main(args: Args):
             for mb_start in range(0, len(lengths), mb_rows):
                 mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args, amp)
                 ratio_dev_max = mb_stats.pop("ratio_dev_max")
-                if at_start is None:  # the first minibatch: every micro-batch of it comes before the first step
-                    at_start = (mb_stats["ratio_dev"], mb_stats["tokens"], ratio_dev_max)
+                if health is None:  # 8. health check: the first minibatch, before the first step (see inside)
+                    health = ratio_health(update, mb_stats, ratio_dev_max, args.ratio_check_tol, device)
                 if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
                     (args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device, amp)).backward()
                 finite, _ = optimizer_step(trained, stepping, args.max_grad_norm)
@@ -746,15 +780,6 @@ def main(args: Args):
         kl_coef = adaptive_kl_coef(kl_coef, kl, args)  # with --kl-target (Ziegler et al. 2019), else unchanged
         t_update = time.perf_counter() - t1
 
-        # 8. health check: before the first step the ratio is 1 up to rounding, on average over a minibatch
-        dev_sum, dev_tokens = global_sum(torch.tensor(at_start[:2], device=device)).tolist()
-        health = {"ppo/policy/ratio_at_start": dev_sum / max(dev_tokens, 1),
-                  "ppo/policy/ratio_max_at_start": global_max(at_start[2], device)}  # the largest token's too
-        if health["ppo/policy/ratio_at_start"] > args.ratio_check_tol:
-            fail(f"update {update}: mean |ratio - 1| = {health['ppo/policy/ratio_at_start']:.2e} before any step "
-                 f"(tolerance {args.ratio_check_tol:g}); the rollout and training passes disagree: dropout on, "
-                 "padding or position ids differ, temperature differs, or the generator's weights are stale")
-
         # 9. push the new weights into the vLLM engine before it samples again
         t_push = time.perf_counter()
         if args.vllm:
@@ -777,9 +802,9 @@ def main(args: Args):
         row = reduce_row(row, device)  # under torchrun: one value for all ranks
         if args.keep_best and keep_best_value(row, args) > best:
             best = row[args.keep_best]
-            save_models(os.path.join(run_dir, "best"), models)
+            save_models(os.path.join(run_dir, "best"), models, as_stored=True)
         if rank == 0:  # the rows reach the disk before the checkpoint: resuming from step k finds rows 1..k
-            row["time/log_s"] = time.perf_counter() - t_log  # phase 9 up to here, evaluation excluded
+            row["time/log_s"] = time.perf_counter() - t_log  # phase 10 up to here, evaluation excluded
             samples = []
             if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
                 samples = [{"step": update, "prompt": r["prompt"], "response": text, "score": s}
@@ -792,7 +817,7 @@ def main(args: Args):
             break
 
     if not stop:  # a stopped run keeps its checkpoint; the final models are for a finished one
-        save_models(run_dir, models)
+        save_models(run_dir, models, as_stored=True)
         log(f"saved policy and critic to {run_dir}/")
     close_run(args, metrics_file, run_dir)
     teardown(llm, world)
@@ -870,6 +895,17 @@ def check_args(args, world):
         args.response_length = 40 if args.model == "chain" else 24
     if args.model == "chain" and args.reward_model is None and args.reward_fn is None:
         args.reward_fn = "chain:reward"  # the chain world's verifiable reward
+    if args.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference in it
+        args.kl_estimator = "k3" if args.kl_in_loss else "k1"
+    if args.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
+        args.whiten_advantages = args.adv_estimator == "gae"
+    if args.kl_in_loss and args.kl_estimator in ("k1", "abs"):
+        fail(f"--kl-in-loss with --kl-estimator {args.kl_estimator} does not regularise: its gradient is that of "
+             "log p, with no reference in it (Tang and Munos 2025); use k2 (the reverse KL's gradient) or k3 (GRPO's)")
+    if args.adv_estimator != "gae" and (args.bootstrap_truncated or args.critic_lam is not None
+                                        or args.lam_alpha is not None):
+        fail(f"--bootstrap-truncated, --critic-lam and --lam-alpha need a critic: --adv-estimator "
+             f"{args.adv_estimator} has none (use --adv-estimator gae)")
     sampler_filter = args.top_p != 1.0 or args.top_k != 0
     if sampler_filter and not args.keep_sampling_mask:
         fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
@@ -879,7 +915,7 @@ def check_args(args, world):
     a, unit = args, lambda x: x is None or 0 <= x <= 1  # (NaN fails every comparison below)
     for ok, what in (  # every flag with a range
             (a.temperature > 0 and math.isfinite(a.temperature), "--temperature must be > 0: log-probs are "
-             "taken from logits / T"),
+             "taken from logits / tau"),
             (a.response_length > 0 and a.max_prompt_length > 0, "--response-length and --max-prompt-length must "
              "be positive"),
             (0 <= a.kl_coef < math.inf, "--kl-coef must be >= 0 and finite: a negative coefficient rewards leaving "
@@ -1068,6 +1104,7 @@ class Models:
     reward_fn: object  # --reward-fn, or None
     gold: object  # the toy world's hidden judge, or None
     policy_path: str  # the initial checkpoint (the vLLM engine is built from it)
+    stored_dtypes: tuple  # the dtypes the policy's and the critic's checkpoints came in: the final models' too
     swapped: list  # frozen models moved onto the device for phase 3 only (--offload-frozen, unsharded)
 
 
@@ -1116,8 +1153,18 @@ def load_model(cls, path, flag, args, **kw):
                                      or config.num_labels != 1):
         fail(f"--reward-model {path!r} must be a sequence classifier with one output (num_labels=1); "
              f"it is {archs[0] if archs else 'unknown'} with {config.num_labels} labels")
-    model = cls.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code, **kw)
+    # fp32 whatever the checkpoint is stored in (transformers 5 keeps a bf16 checkpoint bf16): AdamW on bf16
+    # weights rounds most small steps away (at lr 1e-6, 1.4% of the weights move); forwards run under autocast
+    model = cls.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code,
+                                dtype=torch.float32, **kw)
     return disable_dropout(model)
+
+
+def stored_dtype(path, args):
+    """The dtype a checkpoint's weights are stored in, as its config says (fp32 when it says nothing)."""
+    dtype = getattr(AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code), "dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def load_tokenizer(path, flag, args, **kw):
@@ -1160,6 +1207,7 @@ def load_models(args, resume_dir, device, log):
     reward_model = None
     if reward_path is not None:
         reward_model = ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
+    critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
     if args.adv_estimator != "gae":
         critic = None  # critic-free: the group of samples is the baseline
     elif resume_dir:
@@ -1167,9 +1215,8 @@ def load_models(args, resume_dir, device, log):
     elif critic_init == "scratch":
         config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
         with own_rng(device):  # a random init that leaves the sampling stream as it was
-            critic = disable_dropout(AutoModelForSequenceClassification.from_config(config))
+            critic = disable_dropout(AutoModelForSequenceClassification.from_config(config, dtype=torch.float32))
     else:  # from the policy or another checkpoint: the backbone is loaded and the scalar head starts fresh
-        critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
         critic = load_model(AutoModelForSequenceClassification, critic_path, "--critic-model", args, num_labels=1)
     critic = critic and ValueModel(critic)
     shipped_tokenizer = load_tokenizer(start, "--model", args)
@@ -1196,8 +1243,9 @@ def load_models(args, resume_dir, device, log):
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model = reward_model and reward_model.to(frozen_device)
     ref_policy = ref_policy.to(frozen_device)
+    stored = (stored_dtype(policy_path, args), stored_dtype(critic_path, args))  # the final models are saved so
     return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
-                  reward_model, rm_tokenizer, reward_fn, gold, policy_path, swapped=[])
+                  reward_model, rm_tokenizer, reward_fn, gold, policy_path, stored, swapped=[])
 
 
 def stop_token_ids(tokenizer, generation_config, stop_tokens=None):
@@ -1433,7 +1481,8 @@ def score(models, args, rows, texts, query_responses, attention_mask, lengths, P
         if models.rm_tokenizer is not None:
             rm_texts = [render_for_rm(models.rm_tokenizer, r["prompt"], t) for r, t in zip(rows, texts)]
         parts["reward_model"] = args.reward_model_weight * reward_model_scores(
-            models.reward_model, models.rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro)
+            models.reward_model, models.rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
+            args.micro_batch_tokens)
     if models.reward_fn is not None:
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", args.prompt_column)}
         parts["reward_fn"] = args.reward_fn_weight * reward_fn_scores(
@@ -1441,22 +1490,27 @@ def score(models, args, rows, texts, query_responses, attention_mask, lengths, P
     return sum(parts.values()), parts
 
 
-def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro):
-    """The RM's score per response: read at the last real token when it shares the policy's
-    tokenizer; else on prompt + response re-tokenized with its own tokenizer, as it was trained."""
-    scores = []
-    for i in range(0, len(lengths), micro):
-        rows = slice(i, i + micro)
+def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
+                        budget=None):
+    """The RM's score per response: read at the last real token when it shares the policy's tokenizer;
+    else on prompt + response re-tokenized with its own tokenizer, as it was trained. In micro-batches of
+    `micro` rows, or packed by the token `budget` like the rollout passes."""
+    scores = torch.zeros(len(lengths), device=lengths.device)  # (B,)
+    if rm_tokenizer is not None:  # right-padded, so each micro-batch is trimmed to its longest row
+        enc = rm_tokenizer(rm_texts, padding=True, padding_side="right", return_tensors="pt",
+                           add_special_tokens=not rm_tokenizer.chat_template).to(lengths.device)
+        rm_lengths = enc.attention_mask.sum(1)  # (B,)
+    for rows in micro_batches(lengths if rm_tokenizer is None else rm_lengths, P if rm_tokenizer is None else 0,
+                              micro, budget):  # (b,) row indices each
         if rm_tokenizer is None:
             t = int(lengths[rows].max())
             v = state_values(reward_model, query_responses[rows, :P + t], attention_mask[rows, :P + t], P)  # (b, t+1)
-            scores.append(v.gather(1, lengths[rows, None]).squeeze(1))  # (b,): column `length` = last real token
+            scores[rows] = v.gather(1, lengths[rows, None]).squeeze(1)  # (b,): column `length` = last real token
         else:
-            enc = rm_tokenizer(rm_texts[rows], padding=True, padding_side="right", return_tensors="pt",
-                               add_special_tokens=not rm_tokenizer.chat_template).to(lengths.device)
-            v = forward(reward_model, enc.input_ids, enc.attention_mask)  # (b, L)
-            scores.append(v.gather(1, enc.attention_mask.sum(1, keepdim=True) - 1).squeeze(1))  # (b,)
-    return torch.cat(scores)  # (B,)
+            n = int(rm_lengths[rows].max())
+            v = forward(reward_model, enc.input_ids[rows, :n], enc.attention_mask[rows, :n])  # (b, n)
+            scores[rows] = v.gather(1, rm_lengths[rows, None] - 1).squeeze(1)  # (b,)
+    return scores  # (B,)
 
 
 # --- memory: the policy head in chunks -------------------------------------------------------
@@ -1506,18 +1560,18 @@ def chunked_logprobs(model, query_responses, attention_mask, P, temperature, wit
 
 
 def head_chunk(hidden, weight, bias, tokens, temperature, with_entropy, softcap=None, keep=None, sampler=None):
-    """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / T),
+    """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / tau),
     on the support `keep`, or on the one `sampler` = (top_k, top_p, valid (n,)) keeps (then returned)."""
     s = head_logits(hidden, weight, bias, temperature, softcap)  # (n, V)
     if sampler is not None:
-        keep = (sampling_support(s, *sampler[:2]) & sampler[2][:, None]).nonzero(as_tuple=True)  # (N,) each
+        keep = (sampling_support(s, *sampler[:2], tokens) & sampler[2][:, None]).nonzero(as_tuple=True)  # (N,) each
     support = None if keep is None else dense_support(keep, *s.shape)  # (n, V)
     logprobs, entropy = logprobs_from_logits(s, tokens, 1.0, with_entropy, support)  # (n,) each
     return logprobs, entropy, keep if sampler is not None else None
 
 
 def head_logits(hidden, weight, bias, temperature, softcap=None):
-    """s = head(states) / T: (n, V) fp32, divided in place (one (n, V) tensor, not two)."""
+    """s = head(states) / tau: (n, V) fp32, divided in place (one (n, V) tensor, not two)."""
     logits = nn.functional.linear(hidden, weight, bias).float()  # (n, V)
     if softcap:  # Gemma 2 caps its logits: cap * tanh(logits / cap)
         logits = softcap * torch.tanh(logits / softcap)  # (n, V)
@@ -1527,7 +1581,7 @@ def head_logits(hidden, weight, bias, temperature, softcap=None):
 class HeadLogprobs(torch.autograd.Function):
     """`head_chunk` with its backward written out. The forward keeps the chunk's states, not its (n, V)
     logits; the backward rebuilds them once and forms their gradient in place, from d logp / ds =
-    onehot - p and dH / ds = -p (s - E[s]) for s = logits / T: autograd through a checkpointed chunk
+    onehot - p and dH / ds = -p (s - E[s]) for s = logits / tau: autograd through a checkpointed chunk
     replays every op and keeps each one's (n, V) result (25-40% slower on the 152K head here)."""
 
     @staticmethod
@@ -1547,7 +1601,7 @@ class HeadLogprobs(torch.autograd.Function):
         g = g_logprobs[:, None]  # (n, 1)
         with torch.autocast(ctx.amp[0], dtype=ctx.amp[1], enabled=ctx.amp[2]):
             s = head_logits(hidden, weight, bias, temperature, cap)  # (n, V) fp32
-            if cap:  # ds/dlogits through the cap: (1 - tanh^2) / T
+            if cap:  # ds/dlogits through the cap: (1 - tanh^2) / tau
                 dcap = (1 - (s * (temperature / cap)) ** 2) / temperature  # (n, V)
             if keep_pos is not None:
                 s.masked_fill_(~dense_support((keep_pos, keep_tok), *s.shape), -math.inf)
@@ -1567,15 +1621,22 @@ class HeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def sampling_support(scaled_logits, top_k, top_p):
-    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool."""
+def sampling_support(scaled_logits, top_k, top_p, tokens=None):
+    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool. With `tokens`
+    (b, T), the drawn token is added at each position: the sampler drew it, so it was in the sampler's
+    support, but these logits are not the sampler's (another batch shape; bf16 rounds them apart), and a
+    token at the boundary can fall just outside the support recomputed from them (log-prob -inf, NaN
+    advantages: 5 of 3,055 tokens at top-k 50 in bf16)."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
     flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
     if top_k > 0:
         flat = TopKLogitsWarper(top_k)(None, flat)
     if top_p < 1.0:
         flat = TopPLogitsWarper(top_p)(None, flat)
-    return (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
+    support = (flat > -math.inf).view(scaled_logits.shape)  # (b, T, V)
+    if tokens is not None:
+        support.scatter_(-1, tokens.unsqueeze(-1), True)  # (b, T, V): the drawn token is always in
+    return support
 
 
 # The sampler's support (--keep-sampling-mask) as (position, token) pairs: a top-k of 50 over 64 x 256
@@ -1664,7 +1725,7 @@ def check_vllm(path, args):
 
 
 def vllm_engine(path, config, args, device):
-    """A vLLM engine in this process, returning log-probs of softmax(logits / T) like the trainer's."""
+    """A vLLM engine in this process, returning log-probs of softmax(logits / tau) like the trainer's."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the trainer pushes weights into it
     if device.type == "cpu":  # CPU builds pin OpenMP threads to cores, which slowed this process's training 50x
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -1790,29 +1851,34 @@ def peak_rss_mb():
 
 
 def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp, device, llm):
-    """Responses to the held-out prompts (greedy or at T), scored like the rollouts (forwards under `amp`):
+    """Responses to the held-out prompts (greedy or at tau), scored like the rollouts (forwards under `amp`):
     eval/ metrics and a few sample rows."""
     rank, world = rank_and_world()
     mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
-    sums, samples = {}, []
-    for i in range(0, len(mine), local_batch):
-        idx = mine[i: i + local_batch]
-        with amp:
-            qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer, [eval_ids[j] for j in idx],
-                                                         device, args.eval_greedy, world > 1, llm)
-        responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
-        texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        with torch.no_grad(), amp:
-            total, parts = score(models, args, [eval_rows[j] for j in idx], texts, qr, am, lengths, P, micro)
-        if args.missing_eos_penalty is not None:
-            total = torch.where(has_eos, total, args.missing_eos_penalty)
-        values = {"eval/score": total, **{f"eval/{k}": v for k, v in parts.items()}}
-        if models.gold is not None:
-            values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
-        for k, v in values.items():
-            sums[k] = sums.get(k, 0.0) + v.sum().item()
-        samples += [{"step": update, "prompt": eval_rows[j]["prompt"], "response": t, "score": s}
-                    for j, t, s in zip(idx, texts, total.tolist())][: max(0, 8 - len(samples))]
+    # a random stream of its own, from (seed, update, rank), the vLLM engine's seeds included: a run with
+    # evaluation trains exactly as one without, and a resumed run evaluates as the straight one did
+    with own_rng(device):
+        torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
+        sums, samples = {}, []
+        for i in range(0, len(mine), local_batch):
+            idx = mine[i: i + local_batch]
+            with amp:
+                qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer,
+                                                             [eval_ids[j] for j in idx], device, args.eval_greedy,
+                                                             world > 1, llm)
+            responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
+            texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            with torch.no_grad(), amp:
+                total, parts = score(models, args, [eval_rows[j] for j in idx], texts, qr, am, lengths, P, micro)
+            if args.missing_eos_penalty is not None:
+                total = torch.where(has_eos, total, args.missing_eos_penalty)
+            values = {"eval/score": total, **{f"eval/{k}": v for k, v in parts.items()}}
+            if models.gold is not None:
+                values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + v.sum().item()
+            samples += [{"step": update, "prompt": eval_rows[j]["prompt"], "response": t, "score": s}
+                        for j, t, s in zip(idx, texts, total.tolist())][: max(0, 8 - len(samples))]
     count = global_sum(torch.tensor(float(len(mine)), device=device)).item()
     return {k: global_sum(torch.tensor(v, device=device)).item() / max(count, 1) for k, v in sums.items()}, samples
 
@@ -1825,6 +1891,12 @@ def open_run(args, run_name, run_dir, first_update):
         lock_run(run_dir)  # a fresh run's folder is made (and locked) only now, when everything has loaded
         if args.resume is None:  # refused, should another process have started a run of this name meanwhile
             choose_checkpoint(args, run_dir, print)
+        elif args.resume != "auto":  # an explicit earlier step starts a new branch: the old one's later steps go,
+            # newest first, so a kill in between leaves the old branch whole up to a step (`--resume auto` then
+            # continues it, its rows cut to match)
+            for later in reversed(list_checkpoints(os.path.join(run_dir, "checkpoints"))):
+                if int(os.path.basename(later)[5:]) >= first_update:
+                    discard(later)
         for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
             truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
     if world > 1:
@@ -1892,20 +1964,33 @@ def close_run(args, metrics_file, run_dir):
 # order is a function of (seed, update), so the counter alone places a resumed run in the prompt
 # stream, and nothing here draws from numpy's global generator: resume is exact.
 
-def save_models(path, models):
-    """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards
-    by every rank and written by rank 0."""
+def save_models(path, models, as_stored=False):
+    """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards by every
+    rank and written by rank 0: in fp32, as they train (checkpoints: an exact resume), or `as_stored`, in
+    the dtype each checkpoint came in (the final and best models: a bf16 hub model stays bf16)."""
     policy, critic = models.policy, models.critic
     policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
     if rank_and_world()[0] == 0:
-        if not all(torch.isfinite(p).all() for p in (policy_state or policy.state_dict()).values()):
-            fail(f"the policy has non-finite weights; refusing to save them to {path}")
-        policy.save_pretrained(os.path.join(path, "policy"), state_dict=policy_state)
+        critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
+        dtypes = models.stored_dtypes if as_stored else (torch.float32, torch.float32)
+        for name, model, state, dtype in (("policy", policy, policy_state, dtypes[0]),
+                                          ("critic", critic and critic.seq_cls, critic_state, dtypes[1])):
+            if model is None:
+                continue
+            if not all(torch.isfinite(p).all() for p in (state or model.state_dict()).values()):
+                fail(f"the {name} has non-finite weights; refusing to save them to {path}")
+            save_in_dtype(model, os.path.join(path, name), state, dtype)
         models.shipped_generation_config.save_pretrained(os.path.join(path, "policy"))  # not the run's sampler
         models.shipped_tokenizer.save_pretrained(os.path.join(path, "policy"))
-        if critic is not None:
-            critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
-            critic.seq_cls.save_pretrained(os.path.join(path, "critic"), state_dict=critic_state)
+
+
+def save_in_dtype(model, path, state, dtype):
+    """save_pretrained with the floating-point weights cast to `dtype` (a copy: the fp32 weights train on)."""
+    model.save_pretrained(path, state_dict=state if dtype == torch.float32 else {
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in (state or model.state_dict()).items()})
+    fp32, model.config.dtype = model.config.dtype, dtype  # config.json names the dtype of the weights saved
+    model.config.save_pretrained(path)  # (save_pretrained names the model's own, fp32)
+    model.config.dtype = fp32
 
 
 def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_coef, best, device):
@@ -1939,7 +2024,7 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_co
         fail(f"cannot write the checkpoint of update {update} to {ckpt_root}/: "
              f"{'no space left on the device' if full else reason(e)}; the earlier checkpoints are intact")
     if rank == 0:
-        if os.path.exists(final):  # an explicit --resume of an earlier step replaces the later ones
+        if os.path.exists(final):  # (a step of another branch; open_run discards them, a kill may have left one)
             discard(final)
         os.rename(tmp, final)
         for old in list_checkpoints(ckpt_root)[:-args.keep_checkpoints]:
@@ -2097,7 +2182,7 @@ def check_same_flags(args, ckpt):
              f"(its config.json), or start a new --run-name")
 
 
-def restore(resume_dir, trained, optimizers, schedulers, device):
+def restore(resume_dir, trained, optimizers, schedulers, keep_best, device):
     """Optimizers, schedulers and this rank's random state from state.pt; returns the KL coefficient,
     the first update to run and the best eval metric so far."""
     rank, world = rank_and_world()
@@ -2108,12 +2193,15 @@ def restore(resume_dir, trained, optimizers, schedulers, device):
         optimizer_state(model, opt, load=sd)
     for sched, sd in zip(schedulers, state["schedulers"]):
         sched.load_state_dict(sd)
+    best = state["best"]
+    if json.load(open(os.path.join(resume_dir, "flags.json"))).get("keep_best") != keep_best:
+        best = -math.inf  # the best so far was of another metric (--keep-best may change on resume)
     rng = state["rngs"][rank]
     random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"], device)
-    return state["kl_coef"], state["step"] + 1, state["best"]
+    return state["kl_coef"], state["step"] + 1, best
 
 
 def optimizer_state(model, opt, load=None):

@@ -1,8 +1,9 @@
 """What only a GPU can show, skipped without CUDA (CI never has one; tests/gpu_check.sh runs this file
 on a GPU machine): the default toy run in bf16 end to end; two updates of a Qwen2-shaped random-init
 model of 0.5B parameters (Qwen2.5-0.5B's shape: hidden 896, 24 layers, vocabulary 151,936) with a
-random-init reward model, micro-batches and gradient checkpointing; --offload-frozen lowering the
-peak allocated memory by about the frozen models' bytes. Figures go to $GPU_CHECK_JSON when it is set.
+random-init reward model, micro-batches and gradient checkpointing; the same checkpoints stored in bf16
+training with fp32 weights and AdamW states; --offload-frozen lowering the peak allocated memory by about
+the frozen models' bytes. Figures go to $GPU_CHECK_JSON when it is set.
 
     python tests/test_gpu.py          # only builds the 0.5B checkpoints under runs/gpu/ (bench.py uses them too)
 """
@@ -63,7 +64,7 @@ def run(name, **flags):
     shutil.rmtree(f"runs/{name}", ignore_errors=True)
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    ppo.main(ppo.Args(run_name=name, sample_every=0, save_every=0, **flags))
+    ppo.main(ppo.Args(run_name=name, **dict(dict(sample_every=0, save_every=0), **flags)))
     wall = time.perf_counter() - start
     return [json.loads(line) for line in open(f"runs/{name}/metrics.jsonl")], wall
 
@@ -91,6 +92,30 @@ def test_half_billion_qwen2_shape():
                               ratio_at_start=[r["ppo/policy/ratio_at_start"] for r in rows],
                               generated_tokens=[r["time/generated_tokens"] for r in rows], wall_s=round(wall, 1)))
     assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-3 for r in rows)
+
+
+def test_a_checkpoint_stored_in_bf16_trains_in_fp32():
+    """Nearly every hub model is stored in bf16; transformers 5 would load it so, and AdamW on bf16 weights
+    rounds most small steps away. One step at lr 1e-6 must move the fp32 weights; the final model is bf16."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    policy, reward, prompts = build()
+    for src, cls in ((policy, AutoModelForCausalLM), (reward, AutoModelForSequenceClassification)):
+        if not os.path.exists(os.path.join(src + "-bf16", "config.json")):
+            cls.from_pretrained(src).to(torch.bfloat16).save_pretrained(src + "-bf16")
+            AutoTokenizer.from_pretrained(src).save_pretrained(src + "-bf16")
+    flags = dict(QWEN_FLAGS, total_episodes=32, num_minibatches=1, save_every=1)
+    rows, wall = run("gpu_bf16_stored", model=policy + "-bf16", reward_model=reward + "-bf16", dataset=prompts, **flags)
+    state = torch.load("runs/gpu_bf16_stored/checkpoints/step_1/state.pt", weights_only=True)
+    dtypes = sorted({str(t.dtype) for opt in state["optimizers"] for s in opt["state"].values()
+                     for k, t in s.items() if k != "step"})
+    start = load_file(os.path.join(policy + "-bf16", "model.safetensors"))
+    stepped = load_file("runs/gpu_bf16_stored/checkpoints/step_1/policy/model.safetensors")
+    moved = sum((stepped[k] != start[k].float()).sum().item() for k in start) / sum(t.numel() for t in start.values())
+    final = json.load(open("runs/gpu_bf16_stored/policy/config.json"))["dtype"]
+    report("bf16_stored", dict(adamw_state_dtypes=dtypes, policy_weights_moved=moved, final_dtype=final,
+                               wall_s=round(wall, 1)))
+    assert dtypes == ["torch.float32"] and moved > 0.9 and final == "bfloat16"
 
 
 def test_offload_frozen_lowers_peak_memory():

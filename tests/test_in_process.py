@@ -3,6 +3,7 @@ algorithm implies: the temperature in every pass, the KL's sign where the reward
 check firing on a real fault, the critic warm-up, the penalty for a missing EOS, resume of the state the
 loop changes. Fast enough to run on every change (tests/mutants.py runs them against known bugs)."""
 import json
+import math
 import os
 import shutil
 
@@ -109,8 +110,43 @@ def test_health_check_stops_a_run_whose_passes_disagree(world, tmp_path, monkeyp
             return model(input_ids=qr, attention_mask=am, position_ids=positions, use_cache=False, **kw)
         monkeypatch.setattr(ppo, "forward", positions_from_padding)
         flags.update(gpt2_policy(world, tmp_path / "gpt2"))
+    steps = []  # the check runs before the first optimizer step: a broken update is never applied
+    monkeypatch.setattr(ppo, "optimizer_step", lambda *a: steps.append(1))
     with pytest.raises(ppo.UsageError, match="update 1: mean .* the rollout and training passes disagree"):
         run_main(f"test_fault_{fault}_{precision}", **flags)
+    assert steps == []
+
+
+def test_a_non_finite_ratio_stops_the_run_before_any_step(world, monkeypatch):
+    # NaN > tol is False: a NaN old log-prob on a real token must still stop the run, with its own message,
+    # before the first step
+    rollout_passes, steps = ppo.rollout_passes, []
+
+    def poisoned(*a, **k):
+        logprobs, *rest = rollout_passes(*a, **k)
+        logprobs[0, 0] = math.nan
+        return logprobs, *rest
+    monkeypatch.setattr(ppo, "rollout_passes", poisoned)
+    monkeypatch.setattr(ppo, "optimizer_step", lambda *a: steps.append(1))
+    with pytest.raises(ppo.UsageError, match="update 1: the importance ratio is not finite before any step"):
+        run_main("test_nan_ratio", total_episodes=32, batch_size=32)
+    assert steps == []
+
+
+def test_a_non_finite_log_prob_on_padding_reaches_nothing(world, monkeypatch):
+    # padding is never trained on: a NaN the training pass computes there (0 x NaN = NaN) must reach neither
+    # the ratio's statistics nor the loss
+    policy_logprobs = ppo.policy_logprobs
+
+    def nan_on_padding(model, qr, am, P, *a, **k):
+        logprobs, *rest = policy_logprobs(model, qr, am, P, *a, **k)
+        if torch.is_grad_enabled():
+            logprobs = torch.where(am[:, P:].bool(), logprobs, math.nan)  # (b, t)
+        return logprobs, *rest
+    monkeypatch.setattr(ppo, "policy_logprobs", nan_on_padding)
+    row = run_main("test_nan_on_padding", total_episodes=32, batch_size=32, **MICRO)[0]
+    assert row["ppo/policy/ratio_at_start"] < 1e-5 and row["ppo/skipped_steps"] == 0
+    assert math.isfinite(row["ppo/loss/policy_avg"]) and math.isfinite(row["ppo/policy/approxkl_avg"])
 
 
 def test_critic_warmup_moves_the_critic_and_not_the_policy(world):

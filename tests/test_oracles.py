@@ -90,8 +90,10 @@ def test_reward_model_reads_the_last_real_token(world):
 @pytest.mark.parametrize("chunk", [0, 7])
 def test_the_support_is_kept_at_rollout_when_top_k_binds(world, chunk):
     policy, qr, am, lengths, mask, P = sampled_batch(world, top_k=2, seed=2)
-    logprobs, _, _, _, _, support = ppo.rollout_passes(policy, policy, None, qr, am, mask, P, micro=5,
-                                                       temperature=T_HOT, sampler_filter=(2, 1.0), chunk=chunk)
+    logprobs, ref_logprobs, _, _, _, support = ppo.rollout_passes(policy, policy, None, qr, am, mask, P, micro=5,
+                                                                  temperature=T_HOT, sampler_filter=(2, 1.0),
+                                                                  chunk=chunk)
+    assert torch.equal(ref_logprobs, logprobs)  # the reference on the same support: KL 0 while it is the policy
     kept = support[0].diff().view(mask.shape)  # (B, T): token ids kept per position
     assert (kept[mask.bool()] == 2).all() and (kept[~mask.bool()] == 0).all()  # two at every sampled position
     for i in range(len(lengths)):

@@ -144,3 +144,16 @@ def test_sigkill_and_resume_with_a_chosen_pad_and_a_reward_model_of_another_toke
     a, b = ([{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "mem/"))}
              for line in open(f"runs/{r}/metrics.jsonl")] for r in ("test_real_straight", "test_real_killed"))
     assert [r["step"] for r in b] == [1, 2, 3, 4] and a == b
+
+
+def test_keep_sampling_mask_in_bf16_at_a_real_vocabulary(prompts):
+    # bf16 rounds the rollout pass's logits apart from the sampler's, so a drawn token at the top-k boundary
+    # can fall outside the support recomputed from them (old log-prob -inf, then NaN everywhere); at Qwen2's
+    # vocabulary top-k 50 binds at every position (the toy's 42 tokens never let it). With the reference on the
+    # same support, update 1 (policy = reference) has a KL of exactly 0.
+    d = flags("qwen2", prompts, total_episodes=48, precision="bf16", top_k=50, micro_batch_size=8, sample_every=0)
+    out = run_ppo("test_real_keep_mask_bf16", *cli(d), "--keep-sampling-mask")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open("runs/test_real_keep_mask_bf16/metrics.jsonl")]
+    assert len(rows) == 3 and rows[0]["objective/kl"] == 0
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-2 and r["ppo/skipped_steps"] == 0 for r in rows)
