@@ -115,9 +115,9 @@ class Args:
     kl_estimator: Optional[Literal["k1", "k2", "k3", "abs"]] = None
     """per-token KL estimate (http://joschu.net/blog/kl-approx.html): k1 = log p - log p_ref (unbiased);
     k2 = (log p - log p_ref)^2 / 2; k3 = (r - 1) - log r, r = p_ref / p (>= 0, low variance); abs = |k1|.
-    In the loss what counts is the gradient: k2's is the reverse KL's, k3's (GRPO) a biased one; k1's is
-    grad log p, with no reference in it and zero mean on-policy (Tang and Munos 2025), abs's likewise,
-    so both are refused there. None: k1 in the reward, k3 in the loss (GRPO's choice)"""
+    In the loss what counts is the gradient: k2's is the reverse KL's, k3's (GRPO) a biased one, abs's
+    sign(log p - log p_ref) grad log p; k1's is grad log p, with no reference in it and zero mean on-policy
+    (Tang and Munos 2025), so it is refused there. None: k1 in the reward, k3 in the loss (GRPO's choice)"""
     kl_in_loss: bool = False
     """put beta * KL in the loss (GRPO style) instead of the reward (InstructGPT, default)"""
     kl_target: Optional[float] = None
@@ -370,8 +370,9 @@ def policy_logprobs(model, query_responses, attention_mask, P, temperature, with
                     sampler_filter=None, chunk=0):
     """Log-probs and entropies (b, T) of the response tokens, positions P..P+T-1, and the support they
     are taken on, as (position, token) pairs over the b*T positions: `keep`, kept from the rollout; or
-    derived from these logits with `sampler_filter` = (top_k, top_p), as the sampler did (DeepSeek-V3.2's
-    keep-sampling-mask); or None, the full softmax. The head runs on `chunk` tokens at a time if > 0."""
+    derived from these logits with `sampler_filter` = (top_k, top_p), as the sampler did, plus the drawn
+    token (DeepSeek-V3.2's keep-sampling-mask); or None, the full softmax. The head runs on `chunk` tokens
+    at a time if > 0."""
     if chunk > 0:
         return chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep,
                                 sampler_filter)
@@ -899,9 +900,9 @@ def check_args(args, world):
         args.kl_estimator = "k3" if args.kl_in_loss else "k1"
     if args.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
         args.whiten_advantages = args.adv_estimator == "gae"
-    if args.kl_in_loss and args.kl_estimator in ("k1", "abs"):
-        fail(f"--kl-in-loss with --kl-estimator {args.kl_estimator} does not regularise: its gradient is that of "
-             "log p, with no reference in it (Tang and Munos 2025); use k2 (the reverse KL's gradient) or k3 (GRPO's)")
+    if args.kl_in_loss and args.kl_estimator == "k1":
+        fail("--kl-in-loss with --kl-estimator k1 does not regularise: its gradient is that of log p, with no "
+             "reference in it (Tang and Munos 2025); use k2 (the reverse KL's gradient), k3 (GRPO's) or abs")
     if args.adv_estimator != "gae" and (args.bootstrap_truncated or args.critic_lam is not None
                                         or args.lam_alpha is not None):
         fail(f"--bootstrap-truncated, --critic-lam and --lam-alpha need a critic: --adv-estimator "
@@ -1161,8 +1162,12 @@ def load_model(cls, path, flag, args, **kw):
 
 
 def stored_dtype(path, args):
-    """The dtype a checkpoint's weights are stored in, as its config says (fp32 when it says nothing)."""
-    dtype = getattr(AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code), "dtype", None)
+    """The dtype a checkpoint's weights are stored in, as its config says (fp32 when it says nothing, or when
+    the checkpoint is gone: a resumed run whose --critic-model was moved)."""
+    try:
+        dtype = getattr(AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code), "dtype", None)
+    except (OSError, ValueError):
+        return torch.float32
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
@@ -1243,7 +1248,7 @@ def load_models(args, resume_dir, device, log):
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model = reward_model and reward_model.to(frozen_device)
     ref_policy = ref_policy.to(frozen_device)
-    stored = (stored_dtype(policy_path, args), stored_dtype(critic_path, args))  # the final models are saved so
+    stored = (stored_dtype(policy_path, args), critic and stored_dtype(critic_path, args))  # the final models' dtypes
     return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
                   reward_model, rm_tokenizer, reward_fn, gold, policy_path, stored, swapped=[])
 
@@ -1868,8 +1873,10 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
                                                              world > 1, llm)
             responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
             texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            move(models.swapped, device)  # --offload-frozen: the reward model onto the device to score
             with torch.no_grad(), amp:
                 total, parts = score(models, args, [eval_rows[j] for j in idx], texts, qr, am, lengths, P, micro)
+            move(models.swapped, "cpu")
             if args.missing_eos_penalty is not None:
                 total = torch.where(has_eos, total, args.missing_eos_penalty)
             values = {"eval/score": total, **{f"eval/{k}": v for k, v in parts.items()}}
@@ -1975,19 +1982,22 @@ def save_models(path, models, as_stored=False):
         dtypes = models.stored_dtypes if as_stored else (torch.float32, torch.float32)
         for name, model, state, dtype in (("policy", policy, policy_state, dtypes[0]),
                                           ("critic", critic and critic.seq_cls, critic_state, dtypes[1])):
-            if model is None:
-                continue
-            if not all(torch.isfinite(p).all() for p in (state or model.state_dict()).values()):
-                fail(f"the {name} has non-finite weights; refusing to save them to {path}")
-            save_in_dtype(model, os.path.join(path, name), state, dtype)
+            if model is not None:
+                save_in_dtype(model, os.path.join(path, name), state, dtype)
         models.shipped_generation_config.save_pretrained(os.path.join(path, "policy"))  # not the run's sampler
         models.shipped_tokenizer.save_pretrained(os.path.join(path, "policy"))
 
 
 def save_in_dtype(model, path, state, dtype):
-    """save_pretrained with the floating-point weights cast to `dtype` (a copy: the fp32 weights train on)."""
-    model.save_pretrained(path, state_dict=state if dtype == torch.float32 else {
-        k: v.to(dtype) if v.is_floating_point() else v for k, v in (state or model.state_dict()).items()})
+    """save_pretrained with the floating-point weights cast to `dtype` (a copy: the fp32 weights train on),
+    refused if any is not finite (after the cast: fp16 overflows)."""
+    state, cast = state or model.state_dict(), {}
+    if dtype != torch.float32:  # one copy per tensor, so a tied head stays the embedding's alias (saved once)
+        state = {k: cast.setdefault((v.data_ptr(), v.shape, v.stride()), v.to(dtype)) if v.is_floating_point() else v
+                 for k, v in state.items()}
+    if not all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
+        fail(f"the {os.path.basename(path)} has non-finite weights; refusing to save them to {path}")
+    model.save_pretrained(path, state_dict=state)
     fp32, model.config.dtype = model.config.dtype, dtype  # config.json names the dtype of the weights saved
     model.config.save_pretrained(path)  # (save_pretrained names the model's own, fp32)
     model.config.dtype = fp32

@@ -171,11 +171,11 @@ def test_chunked_head_equals_the_plain_path_with_gradients(world, model_name):
         ((logprobs * weights).sum() + entropy.sum()).backward()
         out.append((logprobs, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (lp0, ent0, g0), (lp1, ent1, g1) = out
-    # another matmul shape sums in another order: fp32's rounding of the longest sum, the vocabulary's in the
-    # head's backward (or the toy's MLP), each gradient tensor relative to its own largest entry
+    # another matmul shape sums in another order: fp32's rounding of the longest sum, the MLP's in the forward;
+    # in the backward the vocabulary's (head) or the MLP's, each gradient tensor relative to its own largest entry
+    assert_close_fp32(lp1, lp0, model.config.intermediate_size)
+    assert_close_fp32(ent1, ent0, model.config.intermediate_size)
     n = max(model.config.vocab_size, model.config.intermediate_size)
-    assert_close_fp32(lp1, lp0, n)
-    assert_close_fp32(ent1, ent0, n)
     assert max(g.abs().max() for g in g0.values()) > 1e-3
     for name in g0:
         assert_close_fp32(g1[name], g0[name], n, msg=name)
@@ -226,9 +226,9 @@ def test_the_kept_support_gives_the_same_numbers_chunked_and_plain_at_152k():
     assert (s0.sum(-1).view(B, T)[~am[:, P:].bool()] == model.config.vocab_size).all()  # padding: all of it
     full, _, _ = ppo.policy_logprobs(model, qr, am, P, T_HOT)
     assert (lp0 - full)[am[:, P:].bool()].min() > 1e-3  # the truncated distribution, not the softmax
-    n = model.config.vocab_size  # the longest sum: over the vocabulary, in the head's backward
-    assert_close_fp32(lp1, lp0, n)
-    assert_close_fp32(ent1, ent0, n)
+    assert_close_fp32(lp1, lp0, model.config.intermediate_size)  # the forward's longest sum: the MLP's
+    assert_close_fp32(ent1, ent0, model.config.intermediate_size)
+    n = model.config.vocab_size  # the backward's: over the vocabulary, in the head
     assert max(g.abs().max() for g in g0.values()) > 1e-3
     for name in g0:
         assert_close_fp32(g1[name], g0[name], n, msg=name)
@@ -273,8 +273,8 @@ def test_the_written_out_head_backward_equals_autograd_through_the_plain_head(ca
         for name in g0:
             torch.testing.assert_close(g1[name], g0[name], atol=2e-2, rtol=2e-2, msg=name)
         return
-    n = small["vocab_size"]  # fp32: the longest sum is over the vocabulary
-    assert_close_fp32(lp1, lp0, n)
-    assert_close_fp32(ent1, ent0, n)
+    assert_close_fp32(lp1, lp0, small["intermediate_size"])  # fp32: the forward's longest sum, the MLP's
+    assert_close_fp32(ent1, ent0, small["intermediate_size"])
+    n = small["vocab_size"]  # the backward's: over the vocabulary
     for name in g0:
         assert_close_fp32(g1[name], g0[name], n, msg=name)

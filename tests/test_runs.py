@@ -65,6 +65,20 @@ def test_a_checkpoint_stored_in_bf16_trains_in_fp32_and_is_saved_in_bf16(world, 
                    .values())
 
 
+def test_a_tied_head_is_saved_once_in_bf16(tmp_path):
+    from transformers import Qwen2Config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                         num_hidden_layers=1, num_attention_heads=2,
+                                                         num_key_value_heads=1, tie_word_embeddings=True))
+    ppo.save_in_dtype(model, str(tmp_path), None, torch.bfloat16)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in saved and saved["model.embed_tokens.weight"].dtype == torch.bfloat16
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float())
+    assert next(model.parameters()).dtype == torch.float32  # the model itself trains on in fp32
+
+
 def test_evaluation_leaves_the_training_stream_alone(world):
     plain = run_main("test_eval_off", total_episodes=48, save_every=0)
     evaluated = run_main("test_eval_on", total_episodes=48, save_every=1, keep_checkpoints=3, eval_every=1, eval_size=8)
