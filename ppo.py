@@ -1,6 +1,6 @@
 """PPO for language models with a critic, in one file: read it top to bottom, fork it, ablate a line.
 
-    python ppo.py                                  # the built-in toy world, CPU, a few minutes
+    python ppo.py                                  # the built-in toy world, CPU, under a minute
     python ppo.py --model PATH --reward-model PATH # your HF causal LM and scalar reward model
     torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
