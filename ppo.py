@@ -804,6 +804,8 @@ def main(args: Args):
         if args.keep_best and keep_best_value(row, args) > best:
             best = row[args.keep_best]
             save_models(os.path.join(run_dir, "best"), models, as_stored=True)
+            if rank == 0:  # which update it is: a resume of an earlier step drops a best of the abandoned branch
+                write_json(os.path.join(run_dir, "best", "best.json"), {"step": update, args.keep_best: best})
         if rank == 0:  # the rows reach the disk before the checkpoint: resuming from step k finds rows 1..k
             row["time/log_s"] = time.perf_counter() - t_log  # phase 10 up to here, evaluation excluded
             samples = []
@@ -1904,6 +1906,9 @@ def open_run(args, run_name, run_dir, first_update):
             for later in reversed(list_checkpoints(os.path.join(run_dir, "checkpoints"))):
                 if int(os.path.basename(later)[5:]) >= first_update:
                     discard(later)
+            best_json = os.path.join(run_dir, "best", "best.json")
+            if os.path.exists(best_json) and json.load(open(best_json))["step"] >= first_update:
+                discard(os.path.dirname(best_json))  # the best/ of the abandoned branch: the new one starts without
         for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
             truncate_jsonl(os.path.join(run_dir, name), first_update - 1)
     if world > 1:

@@ -161,6 +161,8 @@ MUTANTS = [
      'args.whiten_advantages = args.adv_estimator == "gae"', "args.whiten_advantages = True"),
     ("explicit-resume-keeps-the-later-steps", "ppo.py",
      "if int(os.path.basename(later)[5:]) >= first_update:", "if int(os.path.basename(later)[5:]) >= 10**9:"),
+    ("explicit-resume-keeps-a-later-best", "ppo.py",
+     'json.load(open(best_json))["step"] >= first_update:', 'json.load(open(best_json))["step"] >= 10**9:'),
     ("evaluation-draws-from-the-training-stream", "ppo.py",
      "    with own_rng(device):\n        torch.manual_seed(",
      "    with contextlib.nullcontext():\n        torch.manual_seed("),

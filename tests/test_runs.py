@@ -100,6 +100,16 @@ def test_an_explicit_resume_of_an_earlier_step_drops_the_later_ones(world):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
 
 
+def test_an_explicit_resume_of_an_earlier_step_drops_a_later_best(world):
+    # `episode` grows every update, so best/ holds update 5; a branch from step 3 that runs no update (the
+    # run is cut to 3) must not keep the abandoned branch's best/
+    run_main("test_best_branch", total_episodes=80, save_every=1, keep_checkpoints=3, keep_best="episode")
+    assert json.load(open("runs/test_best_branch/best/best.json"))["step"] == 5
+    run_main("test_best_branch", fresh=False, total_episodes=48, save_every=1, keep_checkpoints=3,
+             keep_best="episode", resume="runs/test_best_branch/checkpoints/step_3")
+    assert not os.path.exists("runs/test_best_branch/best")
+
+
 def test_a_changed_keep_best_starts_its_best_afresh(world):
     # update 1 holds the best kl_coef (adaptive KL far below its target shrinks it every update); resumed with
     # another metric, the old best is not comparable: the first update after the resume is the best so far
