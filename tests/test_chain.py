@@ -65,9 +65,9 @@ def test_overlong_filtering_is_training_on_the_finished_responses_alone(world, l
     for overlong_filter, rows in ((True, torch.arange(32)), (False, None), (False, torch.arange(32))):
         policy, critic, rollout, P = rollout_batch(world)
         cut = torch.arange(32) % 3 == 0
-        rollout["has_eos"] = ~cut  # (only the filter reads it)
+        rollout.has_eos = ~cut  # (only the filter reads it)
         if rows is None:
-            rows = torch.nonzero(rollout["has_eos"]).squeeze(1)
+            rows = torch.nonzero(rollout.has_eos).squeeze(1)
         args = ppo.Args(loss_agg=loss_agg, overlong_filter=overlong_filter, response_length=12, micro_batch_size=8)
         ppo.minibatch_backward(policy, critic, rollout, rows, P, args)
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))

@@ -136,11 +136,11 @@ def test_learned_absolute_positions_see_no_padding():
 def test_value_clip_is_anchored_on_the_rollout_values_in_the_update(world):
     from test_ppo_parts import rollout_batch
     policy, critic, rollout, P = rollout_batch(world, B=16)
-    current = rollout["values"]  # what the critic predicts now (rollout_batch took them from it)
-    mask = rollout["mask"]
+    current = rollout.values  # what the critic predicts now (rollout_batch took them from it)
+    mask = rollout.mask
     # rollout-time values 1.0 above the current prediction, returns at the prediction: with eps 0.2
     # the clipped value sits 0.8 from the return, so the clip binds on every token and stops its gradient
-    rollout.update(values=(current + 1.0) * mask, returns=current)
+    vars(rollout).update(values=(current + 1.0) * mask, returns=current)
     stats = ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(micro_batch_size=8))
     assert stats["vf_clip"] == stats["tokens"] > 0
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in critic.parameters())

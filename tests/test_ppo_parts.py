@@ -1,5 +1,6 @@
 """The pieces of ppo.py on hand-made tensors and on the real toy models."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,9 +140,9 @@ def rollout_batch(world, B=32, T=0.7, seed=0):
         logprobs, _, _ = ppo.policy_logprobs(policy, qr, am, P, T)
         values = ppo.state_values(critic, qr, am, P)[:, :Tr] * mask
     g = torch.Generator().manual_seed(seed)
-    rollout = dict(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=logprobs,
-                   values=values, advantages=torch.randn(B, Tr, generator=g) * mask,
-                   returns=torch.randn(B, Tr, generator=g) * mask)
+    rollout = SimpleNamespace(  # the fields of ppo.Rollout that minibatch_backward reads
+        query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=logprobs, values=values,
+        advantages=torch.randn(B, Tr, generator=g) * mask, returns=torch.randn(B, Tr, generator=g) * mask)
     return policy, critic, rollout, P
 
 
@@ -149,7 +150,7 @@ def test_ratio_is_one_on_a_real_rollout(world):
     # sampled and scored at T 1.3 (tests/test_oracles.py checks those log-probs against each row alone);
     # the training pass, on other micro-batches in another order, must find the same log-probs
     policy, critic, rollout, P = rollout_batch(world, T=T_HOT)
-    assert (rollout["lengths"] > 1).any() and (rollout["lengths"] < rollout["mask"].shape[1]).any()
+    assert (rollout.lengths > 1).any() and (rollout.lengths < rollout.mask.shape[1]).any()
     args = ppo.Args(micro_batch_size=8, temperature=T_HOT)
     stats = ppo.minibatch_backward(policy, critic, rollout, torch.randperm(32), P, args)
     assert stats["ratio_dev_max"] < 1e-5 and stats["ratio_dev"] / stats["tokens"] < 1e-6
@@ -170,7 +171,7 @@ def test_micro_batches_leave_the_gradient_unchanged(world, loss_agg):
     assert max(g.abs().max() for g in grads[0].values()) > 0
     for g in grads[1:]:  # the minibatch's tokens summed in other groups: fp32's rounding of a sum that long
         for name in g:
-            assert_close_fp32(g[name], grads[0][name], int(rollout["mask"].sum()), msg=name)
+            assert_close_fp32(g[name], grads[0][name], int(rollout.mask.sum()), msg=name)
 
 
 def test_gradient_checkpointing_leaves_the_gradient_unchanged(world):
@@ -199,9 +200,9 @@ def test_token_budget_micro_batches_cover_every_row_within_the_budget():
 
 def test_rollout_passes_are_the_same_with_a_token_budget(world):
     policy, critic, rollout, P = rollout_batch(world)
-    args = (policy, policy, critic, rollout["query_responses"], rollout["attention_mask"], rollout["mask"], P, 32, 0.7)
+    args = (policy, policy, critic, rollout.query_responses, rollout.attention_mask, rollout.mask, P, 32, 0.7)
     plain, packed = ppo.rollout_passes(*args), ppo.rollout_passes(*args, budget=60)
-    mask = rollout["mask"]  # (what lies on padding depends on the micro-batch's trim, and is never read)
+    mask = rollout.mask  # (what lies on padding depends on the micro-batch's trim, and is never read)
     for a, b in zip(plain[:4], packed[:4]):  # other batch shapes: fp32's rounding of the toy's longest sum
         assert_close_fp32(b * mask, a * mask, 256)
     assert_close_fp32(packed[4], plain[4], 256)  # the values after the last token

@@ -2,6 +2,7 @@
 
     python tests/test_readme_map.py     # rewrites both tables in README.md as ppo.py stands
 """
+import ast
 import re
 
 import pytest
@@ -82,6 +83,31 @@ def test_the_training_loop_comes_first_and_main_stays_short():
     assert len(body) <= 220 and loop_end - loop <= 150, (len(body), loop_end - loop)
     assert not any(re.match(r"\s+def ", x) for x in body), "no function defined inside main"
     assert max(map(len, lines)) <= 120
+
+
+# what the algorithm's functions may still call below `main`: the engine, the reward sources, the packing of
+# the sampler's support, the chunked head's kernels, and the one-line error
+PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "reward_model_scores", "render_for_rm",
+            "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs"}
+
+
+def test_what_the_loop_calls_in_phases_1_to_8_is_defined_above_main():
+    """A reader follows the algorithm from the flags down to the loop without scrolling past it."""
+    tree = ast.parse(open("ppo.py").read())
+    defined = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    main = defined["main"]
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.For) and ast.unparse(n.target) == "update")
+    phase9 = next(i for i, line in enumerate(open("ppo.py").read().splitlines(), 1)
+                  if i > loop.lineno and line.strip().startswith("# 9."))
+
+    def calls(node, first=0, last=10 ** 9):
+        return {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                and c.func.id in defined and first <= c.lineno < last}
+    below = sorted(n for n in calls(loop, loop.lineno, phase9) if defined[n] > main and n != "fail")
+    assert not below, f"the loop's phases 1-8 call these, defined below main: {below}"
+    algorithm = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.lineno < main]
+    below = sorted({n for f in algorithm for n in calls(f) if defined[n] > main} - PLUMBING)
+    assert not below, f"the algorithm's functions call these, defined below main: {below}"
 
 
 def rewrite_readme():

@@ -51,11 +51,11 @@ def whiten_by_hand(x, mask, shift_mean=True):
 
 def phases_4_to_6_by_hand(rollout, args):
     """Advantages and returns from the rollout's KL, scores, values and lengths, as the README's phases 4-6 say."""
-    mask, lengths = rollout["mask"].double().numpy(), rollout["lengths"].numpy()
-    values, has_eos = rollout["values"].double().numpy(), rollout["has_eos"].numpy()
-    beta = 0.0 if args.kl_in_loss else rollout["kl_coef"]
-    rewards = -beta * rollout["kl"].double().numpy()
-    rewards[np.arange(len(lengths)), lengths - 1] += rollout["scores"].double().numpy()  # on the last real token
+    mask, lengths = rollout.mask.double().numpy(), rollout.lengths.numpy()
+    values, has_eos = rollout.values.double().numpy(), rollout.has_eos.numpy()
+    beta = 0.0 if args.kl_in_loss else rollout.kl_coef
+    rewards = -beta * rollout.kl.double().numpy()
+    rewards[np.arange(len(lengths)), lengths - 1] += rollout.scores.double().numpy()  # on the last real token
     if args.whiten_rewards:
         rewards = whiten_by_hand(rewards, mask, shift_mean=False)
     lam = np.full(len(lengths), args.lam)
@@ -89,21 +89,21 @@ def phases_4_to_6_by_hand(rollout, args):
 ], ids=["gae", "lam-alpha", "critic-lam+whiten-rewards", "grpo", "rloo+kl-in-loss", "dr-grpo+whiten", "overlong"])
 def test_phases_4_to_6_equal_a_computation_by_hand(world, monkeypatch, flags):
     rollout, args = trained_rollout(monkeypatch, "test_values", **flags)
-    lengths, mask = rollout["lengths"], rollout["mask"]
+    lengths, mask = rollout.lengths, rollout.mask
     if args.lam_alpha is not None:  # the clamp matters here, and the lambdas differ from row to row
         assert (lengths < 1 / args.lam_alpha).any() and len(set(lengths.tolist())) > 1
     if args.overlong_filter:
-        assert rollout["has_eos"].any() and not rollout["has_eos"].all()
+        assert rollout.has_eos.any() and not rollout.has_eos.all()
     if args.adv_estimator != "gae":  # each group: the same prompt G times
-        prompts = rollout["query_responses"][:, :rollout["query_responses"].shape[1] - mask.shape[1]]
+        prompts = rollout.query_responses[:, :rollout.query_responses.shape[1] - mask.shape[1]]
         groups = prompts.view(-1, args.group_size, prompts.shape[1])
         assert (groups == groups[:, :1]).all() and not (groups[1:, 0] == groups[:-1, 0]).all()
     assert args.whiten_advantages == (args.adv_estimator == "gae" or "whiten_advantages" in flags)
     advantages, returns = phases_4_to_6_by_hand(rollout, args)
     n = int(mask.numel())  # whitening sums over every token of the batch
-    assert_close_fp32(rollout["advantages"].double(), torch.from_numpy(advantages), n)
+    assert_close_fp32(rollout.advantages.double(), torch.from_numpy(advantages), n)
     if args.adv_estimator == "gae":
-        assert_close_fp32(rollout["returns"].double(), torch.from_numpy(returns), n)
+        assert_close_fp32(rollout.returns.double(), torch.from_numpy(returns), n)
 
 
 def test_a_group_with_one_score_gets_no_advantage(world, monkeypatch):
@@ -114,18 +114,18 @@ def test_a_group_with_one_score_gets_no_advantage(world, monkeypatch):
         return torch.tensor([float(i >= 4 and i % 4 == 0) for i in range(len(rows))]), {}
     monkeypatch.setattr(ppo, "score", scores)
     rollout, _ = trained_rollout(monkeypatch, "test_flat_groups", adv_estimator="grpo", group_size=4, kl_in_loss=True)
-    assert rollout["advantages"][:4].abs().max() == 0 and rollout["advantages"][4:].abs().max() > 0.1
+    assert rollout.advantages[:4].abs().max() == 0 and rollout.advantages[4:].abs().max() > 0.1
 
 
 def test_the_entropy_bonus_is_the_token_mean_entropy_at_the_temperature(world):
     # zero advantages and no critic: the only gradient is the bonus's, -c x grad of the mean entropy of
     # softmax(logits / tau) over valid tokens (here through the chunked head's written-out backward)
     policy, _, rollout, P = rollout_batch(world, B=16, T=T_HOT)
-    rollout["advantages"] = torch.zeros_like(rollout["mask"])
+    rollout.advantages = torch.zeros_like(rollout.mask)
     ppo.minibatch_backward(policy, None, rollout, torch.arange(16), P, ppo.Args(ent_coef=0.1, temperature=T_HOT))
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
-    qr, am, mask = rollout["query_responses"], rollout["attention_mask"], rollout["mask"]
+    qr, am, mask = rollout.query_responses, rollout.attention_mask, rollout.mask
     logits = ppo.forward(policy, qr, am).logits[:, P - 1:-1].float() / T_HOT  # (B, T, V)
     logp = torch.log_softmax(logits, -1)
     entropy = -(logp.exp() * logp).sum(-1)  # (B, T)
@@ -145,14 +145,14 @@ def test_kl_in_the_loss_pulls_the_policy_towards_the_reference(world, estimator,
     args = ppo.Args(kl_in_loss=True, kl_estimator=estimator)
     ppo.check_args(args, 1)
     policy, _, rollout, P = rollout_batch(world, B=16)
-    mask = rollout["mask"]
-    rollout.update(ref_logprobs=rollout["logprobs"] + side * mask, kl_coef=1.0, advantages=torch.zeros_like(mask))
+    mask = rollout.mask
+    vars(rollout).update(ref_logprobs=rollout.logprobs + side * mask, kl_coef=1.0, advantages=torch.zeros_like(mask))
     ppo.minibatch_backward(policy, None, rollout, torch.arange(16), P, args)
     with torch.no_grad():
         for p in policy.parameters():
             p -= 1e-2 * p.grad
-        after, _, _ = ppo.policy_logprobs(policy, rollout["query_responses"], rollout["attention_mask"], P, 0.7)
-    assert np.sign(((after - rollout["logprobs"]) * mask).sum().item()) == np.sign(side)
+        after, _, _ = ppo.policy_logprobs(policy, rollout.query_responses, rollout.attention_mask, P, 0.7)
+    assert np.sign(((after - rollout.logprobs) * mask).sum().item()) == np.sign(side)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -218,7 +218,7 @@ def test_reward_model_scoring_keeps_the_token_budget(world):
     shapes = []  # (rows, tokens) of each forward of the reward model's backbone
     getattr(seq_cls, seq_cls.base_model_prefix).register_forward_pre_hook(
         lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-    args = (ppo.ValueModel(seq_cls), None, rollout["query_responses"], rollout["attention_mask"], rollout["lengths"],
+    args = (ppo.ValueModel(seq_cls), None, rollout.query_responses, rollout.attention_mask, rollout.lengths,
             P, None, 16)
     with torch.no_grad():
         whole = ppo.reward_model_scores(*args)

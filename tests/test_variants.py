@@ -79,7 +79,7 @@ def test_per_row_lambda_equals_row_by_row_gae():
 
 def grads(world, **flags):
     policy, critic, rollout, P = rollout_batch(world, B=16)
-    rollout.update(ref_logprobs=rollout["logprobs"] - 0.3 * rollout["mask"], kl_coef=flags.pop("kl_coef", 0.0))
+    vars(rollout).update(ref_logprobs=rollout.logprobs - 0.3 * rollout.mask, kl_coef=flags.pop("kl_coef", 0.0))
     ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(**flags))
     return torch.cat([p.grad.flatten() for p in policy.parameters()])
 

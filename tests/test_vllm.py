@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -49,8 +50,9 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     with torch.no_grad():
         old_logprobs, _, _ = ppo.policy_logprobs(policy, qr, am, P, 0.7)
         values = ppo.state_values(critic, qr, am, P)[:, :-1] * mask
-    rollout = dict(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=old_logprobs,
-                   values=values, advantages=torch.randn(mask.shape) * mask, returns=torch.randn(mask.shape) * mask)
+    rollout = SimpleNamespace(query_responses=qr, attention_mask=am, lengths=lengths, mask=mask, logprobs=old_logprobs,
+                              values=values, advantages=torch.randn(mask.shape) * mask,
+                              returns=torch.randn(mask.shape) * mask)
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (policy, critic)]
     ppo.minibatch_backward(policy, critic, rollout, torch.arange(len(lengths)), P, args)
     assert ppo.optimizer_step((policy, critic), opts, 1.0)[0]
