@@ -4,7 +4,8 @@
     A_t     = delta_t + gamma * lam * A_{t+1}
     R_t     = A_t + V_t                        (the critic's regression target)
 
-Shapes: B rollouts, T response tokens. `mask` is 1 on valid response tokens, a prefix of each row.
+Shapes: B rollouts, T response tokens. `mask` is 1 on valid response tokens, a prefix of each row
+(multi-turn episodes, whose observations leave holes in it: `compute_gae_over_actions`).
 Past the last valid token the episode is over: V_{t+1} is 0 there (terminal, the response ended
 with EOS) or `bootstrap_value` (truncated by the length limit: the state is not terminal, so its
 estimated value stands in for the rewards that were never sampled). No whitening here: the trainer
@@ -34,3 +35,17 @@ def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95, bootstrap_value=None
         nextvalues = torch.where(valid.bool(), values[:, t], nextvalues)  # (B,)
     returns = (advantages + values) * mask  # (B, T)
     return advantages, returns
+
+
+def compute_gae_over_actions(rewards, values, mask, gamma=1.0, lam=0.95, bootstrap_value=None):
+    """GAE over the agent's tokens of multi-turn episodes, where `mask` (the action mask) has holes: the
+    observations between turns. Each row's agent tokens are moved to the front in order (a prefix), scanned
+    by `compute_gae`, and put back: the value after a turn's last token is the value at the next turn's
+    first agent token, the running advantage carries over the observations, and gamma counts agent
+    tokens only (veRL skips observation positions; RL2 compacts like this). With a prefix mask (one turn)
+    the moves are the identity. Returns advantages, returns: (B, T), 0 off the agent's tokens."""
+    order = torch.sort((mask == 0).to(torch.uint8), dim=1, stable=True).indices  # (B, T): agent tokens first
+    advantages, returns = compute_gae(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order),
+                                      gamma, lam, bootstrap_value)  # (B, T) each, compacted
+    return (torch.zeros_like(advantages).scatter(1, order, advantages),
+            torch.zeros_like(returns).scatter(1, order, returns))  # (B, T) each, back in place

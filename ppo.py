@@ -5,7 +5,8 @@
     torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
 One update (the numbered phases of the loop in `main`, and of the README):
-  1. sample B / G prompts and generate G responses each (G = --group-size, 1 for GAE) at temperature tau
+  1. sample B / G prompts and generate G responses each (G = --group-size, 1 for GAE) at temperature tau;
+     with --env, episodes: the agent's turns and the environment's observations in between (`play`)
   2. cut each response after its first EOS; the mask keeps the EOS
   3. no-grad passes: old log-probs (policy), reference log-probs, values (critic), score (RM)
   4. per-token reward: -beta * KL_t on every token, plus the score on the last real token
@@ -41,6 +42,10 @@ Choices worth knowing (each one broke a real trainer somewhere):
   micro-batches, all ranks), so neither micro-batches nor ranks change the gradient.
 - The value loss clips around the values stored at rollout time, not around the current
   prediction (a no-op) nor the previous epoch's.
+- Multi-turn episodes (--env) keep the agent's tokens as sampled (decoding and re-tokenizing them
+  changes ids) and append each observation's tokens once; an action mask, 1 on the agent's tokens
+  only, stands in for the response mask everywhere; each step's reward sits on its turn's last agent
+  token; GAE runs over the agent's tokens, across the observations (gae.py).
 - top-p / top-k are refused unless --keep-sampling-mask scores every pass on the sampler's
   truncated support: outside it the importance ratio is unbounded.
 - With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
@@ -79,7 +84,7 @@ import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 
-from gae import compute_gae
+from gae import compute_gae_over_actions
 
 
 # ==============================================================================================
@@ -93,7 +98,8 @@ class Args:
     batch_size: int = 64
     """rollouts per update"""
     response_length: Optional[int] = None
-    """the most tokens generated per response (None: 24; 40 with --model chain, whose longest worked answer is 35)"""
+    """the most tokens generated per response, per turn with --env (None: 24; 40 with --model chain, whose longest
+    worked answer is 35; the world's own with --model guess)"""
     temperature: float = 0.7
     """sampling temperature tau; every log-prob is taken at this temperature (N+: 0.7)"""
     top_p: float = 1.0
@@ -105,6 +111,19 @@ class Args:
     and the token that ends an assistant turn in its chat template), e.g. --stop-tokens '<|im_end|>'"""
     logprob_chunk: int = 256
     """log-probs from the hidden states, this many tokens at a time: no (b, T, V) logits kept (0 = all at once)"""
+    env: Optional[str] = None
+    """multi-turn episodes with an environment class, `FILE.py:NAME` or `module:NAME`, one instance per episode:
+    reset(row, seed) -> the first observation, a string or chat messages (row: the dataset row, its extra
+    columns too; seed: from the run's stream, the same for a group); step(action_text) -> (observation,
+    reward, done), the observation None only when done. A string observation is a user message for a chat
+    model (a tool message where its template has that role), raw text otherwise. The return is the sum of
+    the step rewards; each step's reward sits on the last token of its turn. Without --dataset, the class
+    gives its own rows with a static method rows(n, seed) -> list of dicts. Not with --reward-fn / --reward-model"""
+    max_turns: Optional[int] = None
+    """the most agent turns of an episode (None: 1; the world's own with --model guess)"""
+    max_episode_tokens: Optional[int] = None
+    """the most tokens after the first observation, the agent's and the observations' (None: --response-length
+    for one turn, else twice --max-turns x --response-length); the limit that cuts an episode"""
     keep_sampling_mask: bool = False
     """with top-p / top-k: every log-prob (old, new and the reference's) on the truncated distribution the
     sampler drew from, its support kept from the rollout (DeepSeek-V3.2), so the KL is 0 while policy = reference"""
@@ -337,6 +356,13 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
+def env_seeds(args, update, rank, n, stream=0):
+    """This rank's episode seeds of an update, from (seed, update, rank, stream) alone, so a resumed run
+    replays the same episodes; a group's G episodes share theirs (the same task, G tries)."""
+    seeds = np.random.SeedSequence([args.seed, update, rank, stream]).generate_state(n)  # (n,) uint32
+    return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
+
+
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
     """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine) as the
     policy's generation config says, cut each after its first stop token (its eos_token_id: the run's one
@@ -374,6 +400,61 @@ def response_lengths(responses, stop_ids):
     is_eos = torch.isin(responses, torch.as_tensor(stop_ids, device=responses.device))  # (B, T)
     first_eos = is_eos.int().argmax(1)  # (B,): 0 when there is no EOS, hence the where below
     return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
+
+
+def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, synced=False, llm=None):
+    """Phases 1-2 for multi-turn episodes (--env), one `env_class` instance each, the turns in lockstep:
+    each unfinished episode samples a turn through `generate` (cut after its first stop id or at
+    --response-length), its env steps on the turn's decoded text, and the observation's tokens are
+    appended. The agent's tokens stay the sampled ids: decoding and re-tokenizing them can change the ids
+    (TRL #5224, veRL #6719), and the trainer would score tokens the sampler never drew. An episode ends
+    when its env says done (has_eos), or is cut at --max-turns or --max-episode-tokens. Returns
+    `generate`'s tuple for the episodes after the first observation, with the action mask as `mask`
+    (1 on sampled tokens, each turn's stop token included; 0 on observations and padding), and the step
+    rewards (B, T), each on the last agent token of its turn."""
+    stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
+    envs = [env_class() for _ in rows]
+    chats, prompts = zip(*[first_observation(tokenizer, env_call(args, 0, env.reset, row, int(seed)), args)
+                           for env, row, seed in zip(envs, rows, seeds)])  # the conversations; the prompt ids
+    B, cap = len(rows), args.max_episode_tokens
+    ids, action, reward, engine = ([[] for _ in range(B)] for _ in range(4))  # per episode, per token
+    over, done = [False] * B, [False] * B
+    for turn in range(1, args.max_turns + 1):
+        live = [i for i in range(B) if not over[i]]
+        if global_max(float(len(live)), device) == 0:  # all ranks: a sharded forward needs every one of them
+            break
+        contexts = [prompts[i] + ids[i] for i in live or [0]]  # a rank with no live episode still joins in
+        qr, _, lengths, _, _, P, engine_logprobs = generate(policy, tokenizer, contexts, device, greedy, synced, llm)
+        for k, i in enumerate(live):
+            n = min(int(lengths[k]), cap - len(ids[i]))  # the episode's token cap may cut the turn short
+            turn_ids = qr[k, P:P + n].tolist()  # the sampled ids, as they are
+            text = tokenizer.decode(turn_ids, skip_special_tokens=True)
+            observation, r, done[i] = env_step(args, envs[i], text, turn)
+            ids[i] += turn_ids
+            action[i] += [1.0] * n
+            reward[i] += [0.0] * (n - 1) + [r]  # on the turn's last agent token
+            engine[i] += engine_logprobs[k, :n].tolist() if llm is not None else [0.0] * n
+            over[i] = done[i] or turn == args.max_turns or len(ids[i]) >= cap
+            if not over[i]:
+                stop_id = turn_ids[-1] if turn_ids[-1] in stop_ids else None
+                obs_ids = observation_ids(tokenizer, chats[i], text, observation, stop_id, args, turn)
+                if len(ids[i]) + len(obs_ids) >= cap:
+                    fail(f"--env {args.env}: the observation after turn {turn} ({len(obs_ids)} tokens) fills the "
+                         f"episode's --max-episode-tokens {cap}: raise it, or shorten the observations")
+                ids[i] += obs_ids
+                action[i] += [0.0] * len(obs_ids)
+                reward[i] += [0.0] * len(obs_ids)
+                engine[i] += [0.0] * len(obs_ids)
+    enc = tokenizer.pad({"input_ids": list(prompts)}, return_tensors="pt").to(device)
+    P, T = enc.input_ids.shape[1], max(map(len, ids))
+    padded = lambda rows, fill: torch.tensor([r + [fill] * (T - len(r)) for r in rows], device=device)  # (B, T)
+    lengths = torch.tensor([len(r) for r in ids], device=device)  # (B,): the episode's tokens
+    mask = padded(action, 0.0)  # (B, T): the action mask
+    query_responses = torch.cat([enc.input_ids, padded(ids, tokenizer.pad_token_id)], 1)  # (B, P+T)
+    attention_mask = torch.cat([enc.attention_mask, (torch.arange(T, device=device) < lengths[:, None]).long()], 1)
+    has_eos = torch.tensor(done, device=device)  # (B,): True = the env ended the episode
+    engine_logprobs = padded(engine, 0.0) if llm is not None else None  # (B, T)
+    return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, padded(reward, 0.0)
 
 
 # --- phase 3: log-probs, entropies and values in no-grad passes -------------------------------
@@ -522,7 +603,7 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     padding, and after its last token (B,); with `sampler_filter`, the sampler's support as the kept token
     ids of each of the B*T positions (`pack_support`), else None."""
     B, T = mask.shape
-    lengths = mask.sum(1).long()  # (B,)
+    lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
     ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
     values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
@@ -546,10 +627,11 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     return logprobs, ref_logprobs, entropy, values, next_values, support
 
 
-def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro):
+def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro, turn_rewards=None):
     """The total score per response (B,) and each weighted component's, under no_grad: the reward
-    model's and --reward-fn's, which also receives the prompt set's other columns of these rows."""
-    parts = {}
+    model's and --reward-fn's, which also receives the prompt set's other columns of these rows; with
+    --env, the episode's return, the sum of its step rewards `turn_rewards` (B, T)."""
+    parts = {} if turn_rewards is None else {"env": turn_rewards.sum(1)}
     if models.reward_model is not None:
         rm_texts = None
         if models.rm_tokenizer is not None:
@@ -587,28 +669,38 @@ def adaptive_kl_coef(kl_coef, kl, args):
 
 
 def long_responses(scores, has_eos, lengths, next_values, args):
-    """The scores of responses the length limit cut (no EOS: unfinished) and of those near it. Truncated:
-    --missing-eos-penalty replaces the score (N+); or --bootstrap-truncated drops it and the critic's value
-    after the cut stands in for the future (returned, else None); --overlong-filter (in the loss) drops them.
-    DAPO's soft penalty (--overlong-buffer): 0 up to limit - buffer tokens, then down linearly to -1 at the limit."""
+    """The scores of responses the length limit cut (no EOS: unfinished; with --env, episodes cut at
+    --max-turns or --max-episode-tokens) and of those near it. Cut: --missing-eos-penalty replaces the score
+    (N+); or --bootstrap-truncated drops a response's score (an env's rewards were earned: they stay) and
+    the critic's value after the cut stands in for the future (returned, else None); --overlong-filter (in
+    the loss) drops them. DAPO's soft penalty (--overlong-buffer): 0 up to limit - buffer tokens, then down
+    linearly to -1 at the limit (--max-episode-tokens, which is --response-length for one turn)."""
     bootstrap_value = None
     if args.missing_eos_penalty is not None:
         scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,)
     if args.bootstrap_truncated:
-        scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
+        if args.env is None:
+            scores = torch.where(has_eos, scores, 0.0)  # (B,): truncated responses are not scored...
         bootstrap_value = torch.where(has_eos, 0.0, next_values)  # (B,): ...their future is estimated
     if args.overlong_buffer is not None:
-        over = (lengths - (args.response_length - args.overlong_buffer)).clamp(min=0)  # (B,): tokens into the buffer
+        over = (lengths - (args.max_episode_tokens - args.overlong_buffer)).clamp(min=0)  # (B,): tokens into the buffer
         scores = scores - over / args.overlong_buffer  # (B,)
     return scores, bootstrap_value
 
 
-def per_token_rewards(kl, scores, lengths, kl_coef):
+def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
     """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
-    the EOS, or the last token of a response cut by the length limit. Never on padding."""
+    the EOS, or the last token of a response cut by the length limit. Never on padding. With --env, each
+    step's reward `turn_rewards` (B, T) stays on its turn's last agent token, and the last one takes what
+    makes the sum the score (the return, unless phase 4 replaced it: a cut episode's penalty)."""
     non_score_reward = -kl_coef * kl  # (B, T)
     rewards = non_score_reward.clone()  # (B, T)
-    rewards[torch.arange(len(rewards)), lengths - 1] += scores
+    last = (torch.arange(len(rewards)), lengths - 1)  # the episode ends on an agent token
+    if turn_rewards is not None:
+        earlier = turn_rewards.index_put(last, torch.zeros_like(scores))  # (B, T): the steps before the last
+        rewards = rewards + earlier  # (B, T)
+        scores = scores - earlier.sum(1)  # (B,)
+    rewards[last] += scores
     return rewards, non_score_reward
 
 
@@ -651,9 +743,9 @@ class Rollout:
     """One update's batch on this rank, what phases 1-6 made of it, fixed through phase 7's K epochs."""
     query_responses: torch.Tensor  # (B, P+T): prompts left-padded, responses right-padded after the EOS
     attention_mask: torch.Tensor  # (B, P+T): 1 on real tokens
-    lengths: torch.Tensor  # (B,): response tokens, the EOS included
-    mask: torch.Tensor  # (B, T): 1 on response tokens, 0 on padding
-    has_eos: torch.Tensor  # (B,): False = cut by the length limit
+    lengths: torch.Tensor  # (B,): response tokens, the EOS included (--env: the episode's, observations too)
+    mask: torch.Tensor  # (B, T): 1 on response tokens, 0 on padding (--env: 1 on the agent's tokens only)
+    has_eos: torch.Tensor  # (B,): False = cut by the length limit (--env: not ended by the env)
     logprobs: torch.Tensor  # (B, T): the policy's at rollout time, PPO's old log-probs
     ref_logprobs: torch.Tensor  # (B, T): the reference's
     entropy: torch.Tensor  # (B, T): the policy's
@@ -662,6 +754,7 @@ class Rollout:
     scores: torch.Tensor  # (B,): after phase 4's treatment of long responses
     kl: torch.Tensor  # (B, T): the per-token KL estimate, 0 on padding
     non_score_reward: torch.Tensor  # (B, T): -beta * kl
+    rewards: torch.Tensor  # (B, T): phase 4's per-token rewards
     advantages: torch.Tensor  # (B, T): after phase 6
     returns: torch.Tensor  # (B, T): the critic's targets
     kl_coef: float  # beta for this update
@@ -700,13 +793,14 @@ def value_loss(new_values, old_values, returns, value_clip_eps):
     return 0.5 * torch.max(vf_losses, vf_losses2), (binds & (vf_losses2 > vf_losses)).float()  # (b, t) each
 
 
-def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, response_length):
-    """Each valid token's weight in the policy loss of a minibatch of mb_seqs responses, mb_tokens tokens."""
+def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, max_tokens):
+    """Each valid token's weight in the policy loss of a minibatch of mb_seqs responses, mb_tokens tokens;
+    `lengths` (b,) counts each response's tokens (an episode's agent tokens)."""
     if mode == "token-mean":  # every token counts the same (long responses weigh more)
         return mask / mb_tokens  # (b, t)
     if mode == "seq-mean-token-mean":  # every response counts the same, whatever its length
         return mask / (lengths[:, None] * mb_seqs)  # (b, t)
-    return mask / (mb_seqs * response_length)  # "seq-sum-norm" (Dr. GRPO): a constant divisor, no length bias
+    return mask / (mb_seqs * max_tokens)  # "seq-sum-norm" (Dr. GRPO): a constant divisor, no length bias
 
 
 def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext()):
@@ -737,7 +831,8 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         pg_losses, ratio, logratio, pg_clipped = policy_loss(
             new_logprobs, old_logprobs, rollout.advantages[idx, :t],
             args.clip_eps, args.clip_eps_high, args.dual_clip)  # (b, t) each
-        agg = loss_weights(mc_mask, lengths[idx], mb_tokens, mb_seqs, args.loss_agg, args.response_length)  # (b, t)
+        agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mb_tokens, mb_seqs, args.loss_agg,
+                           args.max_episode_tokens)  # (b, t)
         pg_weights = agg  # (b, t)
         if args.rollout_is_cap is not None:  # truncated importance sampling against the rollout engine
             pg_weights = agg * rollout.is_weights[idx, :t]  # (b, t)
@@ -825,7 +920,7 @@ def main(args: Args):
         max_new_tokens=args.response_length, eos_token_id=models.stop_ids, pad_token_id=tokenizer.pad_token_id)
     llm = start_vllm(args, models, device)  # None without --vllm
     engine_sleeps = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
-    prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log)
+    prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log, models.env)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-5)  # no critic's for critic-free estimators
                   for m, lr in zip(trained, (args.learning_rate, args.critic_learning_rate))]
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
@@ -851,9 +946,15 @@ def main(args: Args):
         # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
         batch_idx = prompt_order(update, len(prompt_rows), args, rank, local_batch)  # (B,)
         batch_rows = [prompt_rows[i] for i in batch_idx]  # the prompt and any extra columns
+        turn_rewards = None  # (B, T) with --env: each step's reward on the last agent token of its turn
         with amp:
-            query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
-                policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
+            if models.env is None:
+                query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
+                    policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
+            else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
+                query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, turn_rewards = play(
+                    models.env, policy, tokenizer, batch_rows, env_seeds(args, update, rank, local_batch), device,
+                    args, synced=world > 1, llm=llm)
         responses = query_responses[:, P:]  # (B, T)
         texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(responses, lengths)], skip_special_tokens=True)
         t_generate = time.perf_counter() - t0
@@ -866,23 +967,26 @@ def main(args: Args):
                 sampler_filter, args.logprob_chunk, args.micro_batch_tokens)  # (B, T) each; next_values (B,)
             with torch.no_grad():
                 scores, score_parts = score(models, args, batch_rows, texts, query_responses, attention_mask,
-                                            lengths, P, micro)  # (B,)
+                                            lengths, P, micro, turn_rewards)  # (B,)
         move(models.swapped, "cpu")  # free the accelerator for phase 7
 
         # 4. per-token rewards: KL penalty everywhere, the score on the last real token (long responses: see inside)
         scores, bootstrap_value = long_responses(scores, has_eos, lengths, next_values, args)  # (B,), (B,) or None
         kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
-        rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef)
+        rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef,
+                                                      turn_rewards)  # (B, T) each
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)  # (B, T)
 
-        # 5. GAE, or a critic-free baseline from each prompt's group of samples
-        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)  # (B, T) each
+        # 5. GAE over the agent's tokens (across an episode's observations), or a critic-free baseline from
+        # each prompt's group of samples
+        gae = compute_gae_over_actions  # gae.py's scan on each row's agent tokens (one turn: the scan as it is)
+        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)  # (B, T) each
         if args.lam_alpha is not None:  # VAPO: the policy's lambda nears 1 with the length (the critic keeps --lam)
-            lam = (1 - 1 / (args.lam_alpha * lengths.float())).clamp(0, 1)  # (B,): < 0 below 1 / alpha tokens
-            advantages, _ = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)  # (B, T)
+            lam = (1 - 1 / (args.lam_alpha * mask.sum(1))).clamp(0, 1)  # (B,): < 0 below 1 / alpha agent tokens
+            advantages, _ = gae(rewards, values, mask, args.gamma, lam, bootstrap_value)  # (B, T)
         if args.critic_lam is not None:  # decoupled GAE (VAPO): the critic's targets with their own lambda
-            _, returns = compute_gae(rewards, values, mask, args.gamma, args.critic_lam, bootstrap_value)
+            _, returns = gae(rewards, values, mask, args.gamma, args.critic_lam, bootstrap_value)
         if args.adv_estimator != "gae":  # each response's total reward (score + KL penalty) against its group
             seq_adv = group_advantages(rewards.sum(1), args.group_size, args.adv_estimator, args.group_std)  # (B,)
             advantages = seq_adv[:, None] * mask  # (B, T): the response's advantage on each of its tokens
@@ -896,7 +1000,7 @@ def main(args: Args):
         # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
         t1 = time.perf_counter()
         rollout = Rollout(query_responses, attention_mask, lengths, mask, has_eos, logprobs, ref_logprobs, entropy,
-                          support, values, scores, kl, non_score_reward, advantages, returns, kl_coef)
+                          support, values, scores, kl, non_score_reward, rewards, advantages, returns, kl_coef)
         if args.vllm:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
             rollout.engine_logprobs = engine_logprobs  # (B, T)
             rollout.engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_old / p_vllm
@@ -973,7 +1077,7 @@ def main(args: Args):
             row["time/log_s"] = time.perf_counter() - t_log  # phase 10 up to here, evaluation excluded
             samples = []
             if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
-                samples = [{"step": update, "prompt": r["prompt"], "response": text, "score": s}
+                samples = [{"step": update, "prompt": r.get("prompt"), "response": text, "score": s}
                            for r, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
             write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples)
         stop = global_max(float(bool(STOP_SIGNALS)), device) > 0  # SIGTERM or Ctrl-C on any rank: all stop here
@@ -1045,7 +1149,7 @@ def reason(e):
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-WORLDS = ("toy", "chain")  # --model names of the built-in worlds (toy.py, chain.py)
+WORLDS = ("toy", "chain", "guess")  # --model names of the built-in worlds (toy.py, chain.py, guess.py)
 RESERVED_RUN_NAMES = (*WORLDS, "smollm2")  # runs/<name>/ of the built-in worlds
 
 
@@ -1057,8 +1161,21 @@ def check_args(args, world):
     """Every check that reads only the flags and the world size (after filling in the defaults that depend
     on --model). Returns the rollouts each rank generates, scores and trains on per update, and the number
     of updates."""
+    if args.model == "guess":  # the multi-turn world: its env and its limits, unless given
+        import guess
+        args.env, args.max_turns = args.env or guess.ENV, args.max_turns or guess.MAX_TURNS
+        args.response_length = args.response_length or guess.RESPONSE_LENGTH
     if args.response_length is None:
         args.response_length = 40 if args.model == "chain" else 24
+    if args.max_turns is not None and args.max_turns > 1 and args.env is None:
+        fail(f"--max-turns {args.max_turns} needs --env: without an environment nothing answers between turns")
+    if args.max_episode_tokens is not None and args.env is None:
+        fail("--max-episode-tokens needs --env (a single response's limit is --response-length)")
+    if args.env is not None and (args.reward_fn or args.reward_model):
+        fail("--env gives the rewards: --reward-fn and --reward-model with it are not supported yet")
+    args.max_turns = args.max_turns or 1
+    if args.max_episode_tokens is None:  # room for the observations between turns
+        args.max_episode_tokens = args.response_length * (1 if args.max_turns == 1 else 2 * args.max_turns)
     if args.model == "chain" and args.reward_model is None and args.reward_fn is None:
         args.reward_fn = "chain:reward"  # the chain world's verifiable reward
     if args.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference in it
@@ -1084,6 +1201,7 @@ def check_args(args, world):
              "taken from logits / tau"),
             (a.response_length > 0 and a.max_prompt_length > 0, "--response-length and --max-prompt-length must "
              "be positive"),
+            (a.max_turns > 0 and a.max_episode_tokens > 0, "--max-turns and --max-episode-tokens must be positive"),
             (0 <= a.kl_coef < math.inf, "--kl-coef must be >= 0 and finite: a negative coefficient rewards leaving "
              "the reference"),
             (a.total_episodes > 0 and a.batch_size > 0, "--total-episodes and --batch-size must be positive"),
@@ -1118,8 +1236,8 @@ def check_args(args, world):
             (a.keep_checkpoints > 0, "--keep-checkpoints must be >= 1"),
             (0 < a.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
             (a.rollout_is_cap is None or a.rollout_is_cap >= 1, "--rollout-is-cap must be >= 1"),
-            (a.overlong_buffer is None or 0 < a.overlong_buffer <= a.response_length, "--overlong-buffer must be "
-             "in [1, --response-length]"),
+            (a.overlong_buffer is None or 0 < a.overlong_buffer <= a.max_episode_tokens, "--overlong-buffer must "
+             "be in [1, --response-length] (with --env: [1, --max-episode-tokens])"),
             (all(x is None or math.isfinite(x) for x in (a.missing_eos_penalty, a.reward_model_weight,
                                                         a.reward_fn_weight)),
              "--missing-eos-penalty, --reward-model-weight and --reward-fn-weight must be finite"),
@@ -1236,6 +1354,7 @@ class Models:
     reward_model: Optional[nn.Module]  # a ValueModel; None when --reward-fn alone scores
     rm_tokenizer: object  # the reward model's own tokenizer; None when it reads the policy's tokens
     reward_fn: object  # --reward-fn, or None
+    env: object  # --env's class, or None
     gold: object  # the toy world's hidden judge, or None
     policy_path: str  # the initial checkpoint (the vLLM engine is built from it)
     stored_dtypes: tuple  # the dtypes the policy's and the critic's checkpoints came in: the final models' too
@@ -1304,11 +1423,15 @@ def load_models(args, resume_dir, device, log):
     if args.model in WORLDS:  # built on first use under runs/<name>/
         world = importlib.import_module(args.model)
         policy_path, world_reward = world.build_world()
-        reward_path = reward_path or (None if args.reward_fn else world_reward)
-        gold = getattr(world, "gold", None)
-    if reward_path is None and args.reward_fn is None:
+        reward_path = reward_path or (None if args.reward_fn or args.env else world_reward)
+        gold = None if args.env else getattr(world, "gold", None)
+    if reward_path is None and args.reward_fn is None and args.env is None:
         fail("no reward: give --reward-model (a sequence classifier with one label) and/or --reward-fn FILE.py:NAME")
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_fn = load_python(args.reward_fn, "--reward-fn") if args.reward_fn else None
+    if reward_fn is not None and not callable(reward_fn):
+        fail(f"--reward-fn {args.reward_fn!r} is a {type(reward_fn).__name__}, not a function "
+             "f(prompts, responses, **columns)")
+    env = load_env(args.env) if args.env else None
     if args.vllm:
         check_vllm(policy_path, args)
     start = os.path.join(resume_dir, "policy") if resume_dir else policy_path
@@ -1368,7 +1491,7 @@ def load_models(args, resume_dir, device, log):
     ref_policy = ref_policy.to(frozen_device)
     stored = (stored_dtype(policy_path, args), critic and stored_dtype(critic_path, args))  # the final models' dtypes
     return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
-                  reward_model, rm_tokenizer, reward_fn, gold, policy_path, stored, swapped=[])
+                  reward_model, rm_tokenizer, reward_fn, env, gold, policy_path, stored, swapped=[])
 
 
 def stop_token_ids(tokenizer, generation_config, stop_tokens=None):
@@ -1439,12 +1562,14 @@ def own_rng(device):
 
 # --- prompts and rewards ----------------------------------------------------------------------
 
-def load_prompts(args, tokenizer, log):
+def load_prompts(args, tokenizer, log, env=None):
     """Training and evaluation rows (dicts: the prompt and any other columns) and their token ids,
     and the PPO-ptx texts' ids (empty without --ptx-coef)."""
-    prompt_rows, eval_rows = load_prompt_rows(args)
+    prompt_rows, eval_rows = load_prompt_rows(args, env)
     if not prompt_rows:
         fail("the prompt set is empty: check --dataset and --train-split")
+    if env is not None:  # an env's first observation is its prompt, rendered in each episode (`play`)
+        return prompt_rows, None, eval_rows, list(range(len(eval_rows))), []
     for i, row in enumerate(prompt_rows + eval_rows):
         check_prompt(row["prompt"], tokenizer, f"--dataset row {i} ({args.prompt_column!r})")
     prompt_ids = [render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]  # tokenized once
@@ -1472,8 +1597,15 @@ def load_prompts(args, tokenizer, log):
     return prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids
 
 
-def load_prompt_rows(args):
+def load_prompt_rows(args, env=None):
     """Training and evaluation rows (dicts: the prompt column and any others, e.g. a reference answer)."""
+    if args.dataset is None and env is not None:  # the env's own rows
+        if not callable(getattr(env, "rows", None)):
+            fail(f"--env {args.env} has no rows: pass --dataset, or give the class a static rows(n, seed)")
+        rows = [env_call(args, 0, env.rows, n, seed) for n, seed in ((2048, 1234), (args.eval_size, 4321))]
+        if not all(isinstance(r, list) and all(isinstance(x, dict) for x in r) for r in rows):
+            fail(f"--env {args.env}: rows(n, seed) must return a list of dicts")
+        return rows
     if args.dataset is None:  # a built-in world's prompts (the toy's for any other --model)
         world = importlib.import_module(args.model if args.model in WORLDS else "toy")
         return ([{"prompt": p} for p in world.prompts(2048, seed=1234)],
@@ -1493,7 +1625,7 @@ def load_prompt_rows(args):
         train = ds[args.train_split]
     except Exception as e:  # a missing file, no network, an unknown split: all one line for the user
         fail(f"--dataset {args.dataset!r} (split {args.train_split!r}) cannot be loaded: {reason(e)}")
-    if args.prompt_column not in train.column_names:
+    if args.prompt_column not in train.column_names and env is None:
         fail(f"--dataset has no column {args.prompt_column!r} (it has {train.column_names}): set --prompt-column")
     if args.eval_split is not None:
         held_out = ds[args.eval_split]
@@ -1504,8 +1636,8 @@ def load_prompt_rows(args):
         held_out = train.select([])
     held_out = held_out.select(range(min(args.eval_size, len(held_out))))
     try:  # the rows are decoded only here
-        return ([dict(r, prompt=r[args.prompt_column]) for r in train],
-                [dict(r, prompt=r[args.prompt_column]) for r in held_out])
+        return ([dict(r, prompt=r.get(args.prompt_column)) for r in train],
+                [dict(r, prompt=r.get(args.prompt_column)) for r in held_out])
     except UnicodeDecodeError as e:
         fail(f"--dataset {args.dataset!r} cannot be loaded: it is not UTF-8 text ({reason(e)})")
 
@@ -1546,8 +1678,8 @@ def render_for_rm(rm_tokenizer, prompt, response):
     return prompt + sep + response
 
 
-def load_reward_fn(spec):
-    """`FILE.py:NAME` or `module:NAME` -> the callable."""
+def load_python(spec, flag):
+    """`FILE.py:NAME` or `module:NAME` -> the object (--reward-fn's function, --env's class)."""
     import importlib
     import importlib.util
     path, _, name = spec.rpartition(":")
@@ -1560,10 +1692,8 @@ def load_reward_fn(spec):
             module = importlib.import_module(path)
         fn = getattr(module, name)
     except Exception as e:  # a missing file or name, an import or syntax error in it: one line
-        fail(f"--reward-fn {spec!r} cannot be loaded ({type(e).__name__}: {reason(e)}): give FILE.py:NAME or "
+        fail(f"{flag} {spec!r} cannot be loaded ({type(e).__name__}: {reason(e)}): give FILE.py:NAME or "
              "module:NAME")
-    if not callable(fn):
-        fail(f"--reward-fn {spec!r} is a {type(fn).__name__}, not a function f(prompts, responses, **columns)")
     return fn
 
 
@@ -1611,6 +1741,102 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
             v = forward(reward_model, enc.input_ids[rows, :n], enc.attention_mask[rows, :n])  # (b, n)
             scores[rows] = v.gather(1, rm_lengths[rows, None] - 1).squeeze(1)  # (b,)
     return scores  # (B,)
+
+
+# --- environments (--env): multi-turn episodes --------------------------------------------------
+
+def load_env(spec):
+    env = load_python(spec, "--env")
+    if not (isinstance(env, type) and callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+        fail(f"--env {spec!r} is a {type(env).__name__}, not a class with reset(row, seed) and step(action_text)")
+    return env
+
+
+def env_call(args, turn, method, *a):
+    """An env's method, its exceptions one line that names the env, the method and the turn."""
+    try:
+        return method(*a)
+    except Exception as e:
+        if args.debug:
+            raise
+        fail(f"--env {args.env}: {method.__name__}() raised {type(e).__name__} on turn {turn}: {reason(e)} (fix the "
+             "env; --debug shows the traceback)")
+
+
+def check_observation(observation, args, where):
+    if isinstance(observation, str) or (isinstance(observation, list) and observation and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in observation)):
+        return
+    fail(f"--env {args.env}: {where} the observation {observation!r:.60}: return a string or a non-empty list of "
+         "chat messages {'role': str, 'content': str}")
+
+
+def env_step(args, env, action_text, turn):
+    """step(action_text) -> (observation, reward, done), checked."""
+    out = env_call(args, turn, env.step, action_text)
+    where = f"step() on turn {turn} returned"
+    if not (isinstance(out, tuple) and len(out) == 3):
+        fail(f"--env {args.env}: {where} {out!r:.60}: return a tuple (observation, reward, done)")
+    observation, reward, done = out
+    if not isinstance(reward, (int, float, np.number, np.bool_)) or not math.isfinite(reward):
+        fail(f"--env {args.env}: {where} the reward {reward!r:.40}: return a finite number")
+    if not isinstance(done, (bool, np.bool_)):
+        fail(f"--env {args.env}: {where} done = {done!r:.40}: return True or False")
+    if not done:  # (the observation of a finished episode is never read)
+        check_observation(observation, args, where)
+    return observation, float(reward), bool(done)
+
+
+def first_observation(tokenizer, observation, args):
+    """reset()'s observation as the episode's prompt ids, and the conversation so far for a chat model
+    (None for raw text): a string is a user message for a chat model, raw text otherwise."""
+    check_observation(observation, args, "reset() returned")
+    if not tokenizer.chat_template and not isinstance(observation, str):
+        fail(f"--env {args.env}: reset() returned chat messages, but the tokenizer has no chat template: return "
+             "a string")
+    chat = None
+    if tokenizer.chat_template:
+        chat = [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
+    ids = render_prompt(tokenizer, observation if chat is None else chat)
+    if not 0 < len(ids) <= args.max_prompt_length:
+        fail(f"--env {args.env}: reset()'s observation is {len(ids)} tokens: it must be 1 to --max-prompt-length "
+             f"{args.max_prompt_length}")
+    return chat, ids
+
+
+MARK = "\ue000"  # a private-use character: where an assistant turn's content sits in a rendered template
+
+
+def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, turn):
+    """The ids appended after an agent turn for its observation: raw text, tokenized alone; for a chat
+    model, what the chat template adds after the assistant's content for the new message: its end of
+    turn (but the sampled stop token, when the turn ended on it: those ids are the agent's) and the
+    message with the next generation prompt. Refuses a template that does not only append. `chat`
+    grows by the turn and the observation; `stop_id` is the turn's last id if it is a stop id, else None."""
+    if chat is None:
+        if not isinstance(observation, str):
+            fail(f"--env {args.env}: step() on turn {turn} returned chat messages, but the tokenizer has no chat "
+                 "template: return a string")
+        return tokenizer(observation, add_special_tokens=False).input_ids
+    role = "tool" if re.search(r"""["']tool["']""", tokenizer.chat_template) else "user"
+    new = [{"role": role, "content": observation}] if isinstance(observation, str) else list(observation)
+    turn_mark = [{"role": "assistant", "content": MARK}]
+    try:
+        before, with_turn, after = (
+            tokenizer.apply_chat_template(m, add_generation_prompt=g, tokenize=False)
+            for m, g in ((chat, True), (chat + turn_mark, False), (chat + turn_mark + new, True)))
+    except Exception as e:
+        fail(f"--env {args.env}: the chat template cannot render the observation of turn {turn} ({reason(e)})")
+    if not (with_turn.startswith(before) and after.startswith(with_turn) and MARK in with_turn[len(before):]):
+        fail(f"--env {args.env}: the chat template rewrites earlier turns (e.g. drops their reasoning), so the "
+             f"episode's tokens would not be what the model sees on turn {turn + 1}: use a template that only appends")
+    end = with_turn[with_turn.index(MARK, len(before)) + len(MARK):]  # the template's end of an assistant turn
+    stop_text = tokenizer.decode([stop_id]) if stop_id is not None else ""
+    if stop_text and stop_text in end:
+        end = end.split(stop_text, 1)[1]  # the agent sampled that token itself
+    chat += [{"role": "assistant", "content": action_text}] + new
+    return tokenizer(end + after[len(with_turn):], add_special_tokens=False).input_ids
 
 
 # --- memory: the policy head in chunks -------------------------------------------------------
@@ -1776,7 +2002,8 @@ def vllm_engine(path, config, args, device):
                    distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
                    generation_config="vllm",  # every sampling setting comes from the trainer, none from the checkpoint
-                   max_model_len=min(args.max_prompt_length + args.response_length, config.max_position_embeddings),
+                   max_model_len=min(args.max_prompt_length + args.max_episode_tokens,  # a whole episode
+                                     config.max_position_embeddings),
                    enforce_eager=device.type != "cuda",
                    gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
                    trust_remote_code=args.trust_remote_code)
@@ -1831,7 +2058,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
     device, mask, lengths = rollout.mask.device, rollout.mask, rollout.lengths
     scores, non_score_reward, returns = rollout.scores, rollout.non_score_reward, rollout.returns
     stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
-    n = stats["tokens"]
+    n = max(stats["tokens"], 1)  # (0 when --overlong-filter dropped every response: nothing was trained)
     var_returns = masked_var(returns, mask)
     explained_variance = 1 - masked_var(returns - rollout.values, mask) / var_returns.clamp(min=1e-8)
     row = {
@@ -1853,11 +2080,11 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         "ppo/val/ratio": stats["ratio"] / n,
         "ppo/val/explained_variance": explained_variance.item(),
         "ppo/val/eos_rate": rollout.has_eos.float().mean().item(),
-        "ppo/val/response_length": lengths.float().mean().item(),
+        "ppo/val/response_length": mask.sum(1).mean().item(),  # the agent's tokens
         "lr/actor": lr,
         "ppo/skipped_steps": skipped_steps,
         **times,
-        "time/generated_tokens": global_sum(lengths.sum()).item(), "time/trained_tokens": n,
+        "time/generated_tokens": global_sum(mask.sum().long()).item(), "time/trained_tokens": stats["tokens"],
         "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
                         else peak_rss_mb()),
     }
@@ -1868,6 +2095,12 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
                     "rollout/logprob_diff_max": gap.max().item(),
                     "rollout/prob_ratio_mean": masked_mean(engine_ratio, mask).item(),
                     "rollout/prob_ratio_max": engine_ratio.max().item()})
+    if args.env is not None:  # turns per episode (each starts where the action mask rises), and per success
+        turns = (torch.diff(mask, dim=1, prepend=torch.zeros_like(mask[:, :1])) > 0).sum(1).float()  # (B,)
+        row.update({"env/turns": turns.mean().item(),
+                    "env/turns_when_ended": (turns[rollout.has_eos].mean().item() if rollout.has_eos.any()
+                                             else float("nan")),
+                    "env/episode_tokens": lengths.float().mean().item()})
     for name, part in score_parts.items():  # each weighted component of the score
         row[f"objective/{name}"] = part.mean().item()
     if gold is not None:  # the toy judge reads the EOS token too
@@ -1897,18 +2130,25 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     # evaluation trains exactly as one without, and a resumed run evaluates as the straight one did
     with own_rng(device):
         torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
-        sums, samples = {}, []
+        sums, samples, turn_rewards = {}, [], None
+        seeds = env_seeds(args, update, rank, len(mine), stream=1) if models.env else None  # not the training ones
         for i in range(0, len(mine), local_batch):
             idx = mine[i: i + local_batch]
             with amp:
-                qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer,
-                                                             [eval_ids[j] for j in idx], device, args.eval_greedy,
-                                                             world > 1, llm)
+                if models.env is None:
+                    qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer,
+                                                                 [eval_ids[j] for j in idx], device, args.eval_greedy,
+                                                                 world > 1, llm)
+                else:
+                    qr, am, lengths, has_eos, _, P, _, turn_rewards = play(
+                        models.env, models.policy, models.tokenizer, [eval_rows[j] for j in idx],
+                        seeds[i: i + local_batch], device, args, args.eval_greedy, world > 1, llm)
             responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
             texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
             move(models.swapped, device)  # --offload-frozen: the reward model onto the device to score
             with torch.no_grad(), amp:
-                total, parts = score(models, args, [eval_rows[j] for j in idx], texts, qr, am, lengths, P, micro)
+                total, parts = score(models, args, [eval_rows[j] for j in idx], texts, qr, am, lengths, P, micro,
+                                     turn_rewards)
             move(models.swapped, "cpu")
             if args.missing_eos_penalty is not None:
                 total = torch.where(has_eos, total, args.missing_eos_penalty)
@@ -1917,7 +2157,7 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
                 values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
             for k, v in values.items():
                 sums[k] = sums.get(k, 0.0) + v.sum().item()
-            samples += [{"step": update, "prompt": eval_rows[j]["prompt"], "response": t, "score": s}
+            samples += [{"step": update, "prompt": eval_rows[j].get("prompt"), "response": t, "score": s}
                         for j, t, s in zip(idx, texts, total.tolist())][: max(0, 8 - len(samples))]
     count = global_sum(torch.tensor(float(len(mine)), device=device)).item()
     return {k: global_sum(torch.tensor(v, device=device)).item() / max(count, 1) for k, v in sums.items()}, samples

@@ -3,6 +3,7 @@
     python experiments/run.py            # the three toy ones; or name some: kl clip critic smollm2
     python experiments/run.py lengthbias chaincritic budget truncation   # the chain world's four (chain.py)
     python experiments/run.py firstwrong  # after chaincritic: does its critic see a slip coming
+    python experiments/run.py guess       # the multi-turn world (guess.py), three seeds
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -19,6 +20,8 @@
    budget: GAE against GRPO and RLOO at equal sampled tokens;
    truncation: a response limit that cuts long worked answers: missing-EOS penalty, bootstrap,
      over-long filtering, soft over-length penalty (DAPO).
+9. guess: the multi-turn world (`--model guess`, guess.py) with its defaults, 3 seeds: success against
+   seconds, and the turns per success.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers the README quotes).
 """
@@ -370,13 +373,48 @@ def smollm2_curve():
     return out
 
 
+def guess_world():
+    """The multi-turn world with its default flags (`python ppo.py --model guess`), three seeds, one run at a
+    time on both cores: success (the share of episodes the env ended: a right guess) against wall-clock
+    seconds since the command started, and the turns a success took."""
+    sys.path.insert(0, ROOT)
+    import guess
+    guess.build_world(os.path.join(ROOT, "runs", "guess"))
+    out, fig, axes = {}, *plt.subplots(1, 2, figsize=(9, 3.4))
+    for seed in (1, 2, 3):
+        rows, seconds = train(f"exp_guess_seed{seed}", "--model", "guess", "--seed", str(seed), "--eval-every", "25")
+        success = np.array([r["ppo/val/eos_rate"] for r in rows])
+        turns = np.array([r["env/turns_when_ended"] for r in rows])
+        start = seconds - sum(r["time/rollout_s"] + r["time/update_s"] + r["time/push_s"] + r["time/log_s"]
+                              for r in rows)  # loading, before update 1 (evaluation included after it)
+        t = start + np.cumsum([r["time/rollout_s"] + r["time/update_s"] + r["time/push_s"] + r["time/log_s"]
+                               for r in rows])
+        reach = next((float(s) for s, x in zip(t[4:], smooth(success)) if x >= 0.9), None)  # 5 updates' mean
+        out[f"seed={seed}"] = {"success_update1": float(success[0]), "success_last10": float(success[-10:].mean()),
+                               "seconds_to_success_0.9": reach, "seconds": seconds,
+                               "turns_per_success_update1": float(turns[0]),
+                               "turns_per_success_last10": float(turns[-10:].mean()),
+                               "eval_success_final": rows[-1]["eval/env"], "kl_last10":
+                               float(np.mean([r["objective/kl"] for r in rows[-10:]]))}
+        axes[0].plot(t, success, label=f"seed {seed}", lw=1)
+        axes[1].plot(np.arange(1, len(turns) + 1), turns, label=f"seed {seed}", lw=1)
+    axes[0].axhline(0.9, color="grey", lw=0.5)
+    for ax, title, x in zip(axes, ("success (the env ended the episode)", "turns per success"),
+                            ("seconds since the start", "update")):
+        ax.set_title(title, fontsize=9), ax.set_xlabel(x), ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "guess.png"), dpi=80)
+    return out
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "critic"]
     path = os.path.join(HERE, "results.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
     for name, fn in (("kl", kl_ablation), ("clip", clip_fraction), ("critic", critic_ablation),
                      ("smollm2", smollm2_curve), ("lengthbias", length_bias), ("chaincritic", chain_critic),
-                     ("budget", budget), ("truncation", truncation), ("firstwrong", first_wrong_step)):
+                     ("budget", budget), ("truncation", truncation), ("firstwrong", first_wrong_step),
+                     ("guess", guess_world)):
         if name in chosen:
             results[name] = fn()
             json.dump(results, open(path, "w"), indent=1)

@@ -1,4 +1,5 @@
-"""One PPO update of a fixed rollout, under `torchrun --nproc_per_node=N` (N = 1 or 2, gloo).
+"""One PPO update of a fixed rollout (argv[2], if given, a saved one), under `torchrun --nproc_per_node=N`
+(N = 1 or 2, gloo).
 Each rank trains on its slice of the same 32 rollouts with FSDP2-sharded models; rank 0 writes the
 gradients of the first minibatch (before any step) and the full policy and critic parameters after four
 epochs to argv[1], for test_fsdp.py to compare across world sizes."""
@@ -18,8 +19,11 @@ from test_ppo_parts import rollout_batch  # noqa: E402
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 policy, critic, rollout, P = rollout_batch(toy.build_world(), B=32)  # identical on every rank (seeded)
+if len(sys.argv) > 2:  # a rollout a test saved instead (multi-turn episodes), on the same policy and critic
+    saved = torch.load(sys.argv[2], weights_only=True)
+    P, rollout = saved.pop("P"), SimpleNamespace(**saved)
 rows = slice(rank * 32 // world, (rank + 1) * 32 // world)
-local = SimpleNamespace(**{k: v[rows] for k, v in vars(rollout).items()})
+local = SimpleNamespace(**{k: v[rows] if torch.is_tensor(v) else v for k, v in vars(rollout).items()})
 # global whitening: a rank's slice, whitened with all-reduced statistics, equals the slice of the whole
 whole = ppo.masked_whiten(rollout.advantages, rollout.mask) if world == 1 else None
 local.advantages = ppo.masked_whiten(local.advantages, local.mask)

@@ -5,7 +5,7 @@ fast tests that must fail on each.
     python tests/mutants.py --all            # every test that kills each mutant, not only the first (slower)
     python tests/mutants.py --only kl-swapped-in-reward position-ids-arange
 
-Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, toy.py, chain.py, bench.py, smollm2.py,
+Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, the worlds, bench.py, smollm2.py,
 tests/ and the toy world under runs/toy), where `python -m pytest -m fast tests` runs (with -x unless --all). A mutant
 the fast subset lets pass is a hole in the suite: the runner exits 1. The unmutated copy must pass first.
 Tests about the layout (the README map, every flag read) do not count as killers.
@@ -53,7 +53,7 @@ MUTANTS = [
      "return kl_coef * (1 - error * args.batch_size / args.kl_horizon)"),
     # where rewards and values are read
     ("score-on-the-last-column", "ppo.py",
-     "rewards[torch.arange(len(rewards)), lengths - 1] += scores", "rewards[:, -1] += scores"),
+     "rewards[last] += scores", "rewards[:, -1] += scores"),
     ("eos-left-out-of-the-mask", "ppo.py",
      "return torch.where(is_eos.any(1), first_eos + 1, T)", "return torch.where(is_eos.any(1), first_eos, T)"),
     ("reward-model-read-one-early", "ppo.py",
@@ -78,8 +78,8 @@ MUTANTS = [
      "advantages = masked_whiten(advantages, in_loss)  # (B, T)",
      "advantages = masked_whiten(advantages, torch.ones_like(mask))  # (B, T)"),
     ("loss-divided-per-micro-batch", "ppo.py",
-     "agg = loss_weights(mc_mask, lengths[idx], mb_tokens, mb_seqs,",
-     "agg = loss_weights(mc_mask, lengths[idx], mc_mask.sum(), mb_seqs,"),
+     "agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mb_tokens, mb_seqs,",
+     "agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mc_mask.sum(), mb_seqs,"),
     ("loss-times-world-dropped", "ppo.py", "(loss * world).backward()", "loss.backward()"),
     # top-k / top-p: the sampler's support
     ("support-not-built-at-rollout", "ppo.py",
@@ -95,8 +95,8 @@ MUTANTS = [
      "first = torch.repeat_interleave(start * 0, count)"),
     # over-length treatments (DAPO)
     ("overlong-buffer-counted-from-the-limit", "ppo.py",
-     "over = (lengths - (args.response_length - args.overlong_buffer)).clamp(min=0)",
-     "over = (lengths - args.response_length).clamp(min=0)"),
+     "over = (lengths - (args.max_episode_tokens - args.overlong_buffer)).clamp(min=0)",
+     "over = (lengths - args.max_episode_tokens).clamp(min=0)"),
     ("overlong-filter-keeps-the-cut-rows-in-the-normaliser", "ppo.py",
      "mb_tokens = global_sum(mask[mb_idx].sum()).clamp(min=1)",
      "mb_tokens = global_sum(rollout.mask[mb_idx].sum()).clamp(min=1)"),
@@ -143,12 +143,12 @@ MUTANTS = [
      "policy_logprobs(ref_policy, qr, am, P, temperature, keep=keep,",
      "policy_logprobs(ref_policy, qr, am, P, temperature, keep=None,"),
     ("lam-alpha-not-clamped", "ppo.py",
-     "lengths.float())).clamp(0, 1)  # (B,)", "lengths.float()))  # (B,)"),
+     "mask.sum(1))).clamp(0, 1)  # (B,)", "mask.sum(1)))  # (B,)"),
     ("lam-alpha-of-the-mean-length", "ppo.py",
-     "lengths.float())).clamp(0, 1)  # (B,)", "lengths.float().mean())).clamp(0, 1)  # (B,)"),
+     "mask.sum(1))).clamp(0, 1)  # (B,)", "mask.sum(1).mean())).clamp(0, 1)  # (B,)"),
     ("lam-alpha-also-in-the-critic-targets", "ppo.py",
-     "advantages, _ = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)",
-     "advantages, returns = compute_gae(rewards, values, mask, args.gamma, lam, bootstrap_value)"),
+     "advantages, _ = gae(rewards, values, mask, args.gamma, lam, bootstrap_value)",
+     "advantages, returns = gae(rewards, values, mask, args.gamma, lam, bootstrap_value)"),
     ("critic-lam-branch-disabled", "ppo.py",
      "if args.critic_lam is not None:  # decoupled GAE", "if False:  # decoupled GAE"),
     ("k1-in-the-loss-by-default", "ppo.py",
@@ -193,13 +193,29 @@ MUTANTS = [
      "r.std(1, keepdim=True) + 1e-6)", "r.std(1, keepdim=True, unbiased=False) + 1e-6)"),
     ("rloo-mean-of-all", "ppo.py",
      "(r.sum(1, keepdim=True) - r) / (group_size - 1)", "r.mean(1, keepdim=True)"),
+    # multi-turn episodes (--env): what the agent did against what the world said
+    ("observations-in-the-action-mask", "ppo.py",
+     "action[i] += [0.0] * len(obs_ids)", "action[i] += [1.0] * len(obs_ids)"),
+    ("gae-cut-at-observations", "gae.py",
+     "order = torch.sort((mask == 0).to(torch.uint8), dim=1, stable=True).indices",
+     "order = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)"),
+    ("step-reward-on-the-turns-first-token", "ppo.py",
+     "reward[i] += [0.0] * (n - 1) + [r]", "reward[i] += [r] + [0.0] * (n - 1)"),
+    ("actions-decoded-and-re-tokenized", "ppo.py",
+     "turn_ids = qr[k, P:P + n].tolist()",
+     "turn_ids = tokenizer(tokenizer.decode(qr[k, P:P + n]), add_special_tokens=False).input_ids"),
+    ("kl-on-observations", "ppo.py",
+     "kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask",
+     "kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * attention_mask[:, P:]"),
+    ("observation-delta-keeps-the-sampled-stop-token", "ppo.py",
+     "end = end.split(stop_text, 1)[1]", "end = end"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_readme_map.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 
 
 def scratch_copy():
     root = tempfile.mkdtemp(prefix="mutants_")
-    for name in ("ppo.py", "gae.py", "toy.py", "chain.py", "bench.py", "smollm2.py", "README.md"):
+    for name in ("ppo.py", "gae.py", "toy.py", "chain.py", "guess.py", "bench.py", "smollm2.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), root)
     shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),
                     ignore=shutil.ignore_patterns("__pycache__"))

@@ -44,14 +44,14 @@ def test_long_responses_by_hand():
     lengths = torch.tensor([5, 6, 7, 9, 10])
     has_eos = torch.tensor([True, True, True, True, False])
     next_values = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7])
-    args = ppo.Args(response_length=10, overlong_buffer=4, missing_eos_penalty=None)
+    args = ppo.Args(response_length=10, max_episode_tokens=10, overlong_buffer=4, missing_eos_penalty=None)
     out, boot = ppo.long_responses(scores, has_eos, lengths, next_values, args)
     torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 0.75, 0.25, 0.0]))
     assert boot is None
-    args = ppo.Args(response_length=10, overlong_buffer=4, missing_eos_penalty=-1.0)  # both: they add up
+    args = ppo.Args(response_length=10, max_episode_tokens=10, overlong_buffer=4, missing_eos_penalty=-1.0)  # both: they add up
     out, _ = ppo.long_responses(scores, has_eos, lengths, next_values, args)
     torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 0.75, 0.25, -2.0]))
-    args = ppo.Args(response_length=10, bootstrap_truncated=True, missing_eos_penalty=None)
+    args = ppo.Args(response_length=10, max_episode_tokens=10, bootstrap_truncated=True, missing_eos_penalty=None)
     out, boot = ppo.long_responses(scores, has_eos, lengths, next_values, args)
     torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0]))
     torch.testing.assert_close(boot, torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7]))
@@ -68,7 +68,8 @@ def test_overlong_filtering_is_training_on_the_finished_responses_alone(world, l
         rollout.has_eos = ~cut  # (only the filter reads it)
         if rows is None:
             rows = torch.nonzero(rollout.has_eos).squeeze(1)
-        args = ppo.Args(loss_agg=loss_agg, overlong_filter=overlong_filter, response_length=12, micro_batch_size=8)
+        args = ppo.Args(loss_agg=loss_agg, overlong_filter=overlong_filter, response_length=12,
+                        max_episode_tokens=12, micro_batch_size=8)
         ppo.minibatch_backward(policy, critic, rollout, rows, P, args)
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     filtered, finished_only, everything = grads

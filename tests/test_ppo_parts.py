@@ -164,7 +164,7 @@ def test_micro_batches_leave_the_gradient_unchanged(world, loss_agg):
     for split in (dict(micro_batch_size=32), dict(micro_batch_size=16), dict(micro_batch_size=8),
                   dict(micro_batch_tokens=60), dict(micro_batch_tokens=150)):
         policy, critic, rollout, P = rollout_batch(world)
-        args = ppo.Args(**split, ent_coef=0.01, loss_agg=loss_agg, response_length=12)
+        args = ppo.Args(**split, ent_coef=0.01, loss_agg=loss_agg, response_length=12, max_episode_tokens=12)
         ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
         grads.append({f"{m}.{n}": p.grad for m, model in (("policy", policy), ("critic", critic))
                       for n, p in model.named_parameters()})

@@ -85,9 +85,11 @@ def test_the_training_loop_comes_first_and_main_stays_short():
     assert max(map(len, lines)) <= 120
 
 
-# what the algorithm's functions may still call below `main`: the engine, the reward sources, the packing of
-# the sampler's support, the chunked head's kernels, and the one-line error
+# what the algorithm's functions may still call below `main`: the engine, the reward sources, the env's checked
+# calls and the chat template's rendering, the packing of the sampler's support, the chunked head's kernels, and
+# the one-line error
 PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "reward_model_scores", "render_for_rm",
+            "env_call", "env_step", "first_observation", "observation_ids",
             "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs"}
 
 

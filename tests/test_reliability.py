@@ -250,7 +250,7 @@ def test_a_misbehaving_reward_function_gets_one_line(world, tmp_path, name, mess
 def test_a_reward_file_with_a_syntax_error_and_a_bool_reward(world, tmp_path):
     (tmp_path / "broken.py").write_text("def f(prompts, responses):\n    return [1.0 for r in responses\n")
     with pytest.raises(ppo.UsageError, match="cannot be loaded \\(SyntaxError"):
-        ppo.load_reward_fn(f"{tmp_path}/broken.py:f")
+        ppo.load_python(f"{tmp_path}/broken.py:f", "--reward-fn")
     (tmp_path / "rewards.py").write_text(REWARD_FILE)
     shutil.rmtree("runs/test_bool_reward", ignore_errors=True)  # True / False are 1 / 0
     ppo.main(ppo.Args(run_name="test_bool_reward", reward_fn=f"{tmp_path}/rewards.py:bools", **QUICK))
