@@ -70,3 +70,11 @@ class NoRows:
 
     def step(self, action_text):
         return None, 0.0, True
+
+
+class Uneven(Replies):
+    """Episodes of 1 to 4 turns, set by the seed: under torchrun one rank's may all be over before the other's."""
+
+    def reset(self, row, seed):
+        self.turns = 1 + seed % 4
+        return super().reset(row, seed)

@@ -399,3 +399,16 @@ def test_every_variant_runs_with_episodes(flags):
                       run_name="test_env_variants", **{"max_turns": 3, **flags}))
     rows = [json.loads(line) for line in open("runs/test_env_variants/metrics.jsonl")]
     assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
+
+
+@pytest.mark.slow
+def test_torchrun_plays_episodes_of_different_lengths_on_each_rank(tmp_path):
+    """Two FSDP ranks generate with HF in lockstep (every forward needs both): one rank's episodes may all
+    end while the other's go on, and it must keep joining the turns until the last episode anywhere ends."""
+    from test_fsdp import torchrun
+    shutil.rmtree("runs/test_env_ranks", ignore_errors=True)
+    out = torchrun(2, "ppo.py", "--env", "tests/envs.py:Uneven", "--max-turns", "4", "--total-episodes", "32",
+                   "--batch-size", "16", "--run-name", "test_env_ranks", "--save-every", "0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open("runs/test_env_ranks/metrics.jsonl")]
+    assert len(rows) == 2 and all(1 < r["env/turns"] < 4 and r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
