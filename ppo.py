@@ -1077,8 +1077,9 @@ def main(args: Args):
             row["time/log_s"] = time.perf_counter() - t_log  # phase 10 up to here, evaluation excluded
             samples = []
             if args.sample_every and (update % args.sample_every == 0 or update == num_updates):
-                samples = [{"step": update, "prompt": r.get("prompt"), "response": text, "score": s}
-                           for r, text, s in list(zip(batch_rows, texts, scores.tolist()))[:4]]
+                firsts = tokenizer.batch_decode(query_responses[:4, :P], skip_special_tokens=True)  # (--env's prompts)
+                samples = [{"step": update, "prompt": r["prompt"] if models.env is None else first, "response": text,
+                            "score": s} for r, first, text, s in zip(batch_rows, firsts, texts, scores.tolist())]
             write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples)
         stop = global_max(float(bool(STOP_SIGNALS)), device) > 0  # SIGTERM or Ctrl-C on any rank: all stop here
         if (args.save_every and update % args.save_every == 0) or stop:
@@ -2157,8 +2158,10 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
                 values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
             for k, v in values.items():
                 sums[k] = sums.get(k, 0.0) + v.sum().item()
-            samples += [{"step": update, "prompt": eval_rows[j].get("prompt"), "response": t, "score": s}
-                        for j, t, s in zip(idx, texts, total.tolist())][: max(0, 8 - len(samples))]
+            firsts = models.tokenizer.batch_decode(qr[:, :P], skip_special_tokens=True)  # --env: the prompt
+            samples += [{"step": update, "prompt": eval_rows[j]["prompt"] if models.env is None else firsts[k],
+                         "response": t, "score": s}
+                        for k, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
     count = global_sum(torch.tensor(float(len(mine)), device=device)).item()
     return {k: global_sum(torch.tensor(v, device=device)).item() / max(count, 1) for k, v in sums.items()}, samples
 
