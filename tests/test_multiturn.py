@@ -304,7 +304,6 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
         ppo.observation_ids(tok, [dict(m) for m in CHAT], "8", "higher", None, ppo.Args(env="x.py:E"), 1)
 
 
-@pytest.mark.slow
 def test_two_ranks_train_on_episodes_as_one_process(tmp_path, monkeypatch):
     """One update on a saved batch of three-turn episodes (tests/fsdp_update.py): 2 ranks equal 1 within 1e-6."""
     from test_fsdp import torchrun
@@ -335,7 +334,6 @@ def test_two_ranks_train_on_episodes_as_one_process(tmp_path, monkeypatch):
             torch.testing.assert_close(results[2][model][k], results[1][model][k], atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow
 def test_the_engine_scores_episodes_as_the_trainer_does():
     """--vllm with three-turn episodes: the engine's log-probs of the agent's tokens, sampled with the
     observations in their context, within 1e-5 of the trainer's (mean over agent tokens), before and after a push."""
@@ -363,7 +361,6 @@ def test_the_readmes_example_env_runs(tmp_path):
     assert 1 < row["env/turns"] <= 8 and row["ppo/policy/ratio_at_start"] < 1e-6
 
 
-@pytest.mark.slow
 def test_episodes_are_exact_through_a_kill_and_resume():
     """The env's seeds come from (seed, update, rank): a run killed after update 1 and resumed plays the
     episodes the straight run played, and logs its rows bit for bit."""
@@ -383,7 +380,6 @@ def test_episodes_are_exact_through_a_kill_and_resume():
         assert len(rows[0]) == {"metrics.jsonl": 3, "samples.jsonl": 12}[name] and rows[0] == rows[1], name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("flags", [
     dict(adv_estimator="grpo", group_size=4), dict(adv_estimator="rloo", group_size=4, loss_agg="seq-sum-norm"),
     dict(bootstrap_truncated=True, missing_eos_penalty=None, max_turns=2),  # (Replies is done after 3 turns)
@@ -401,7 +397,6 @@ def test_every_variant_runs_with_episodes(flags):
     assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
 
 
-@pytest.mark.slow
 def test_torchrun_plays_episodes_of_different_lengths_on_each_rank(tmp_path):
     """Two FSDP ranks generate with HF in lockstep (every forward needs both): one rank's episodes may all
     end while the other's go on, and it must keep joining the turns until the last episode anywhere ends."""
