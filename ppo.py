@@ -1822,21 +1822,23 @@ def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, tu
         return tokenizer(observation, add_special_tokens=False).input_ids
     role = "tool" if re.search(r"""["']tool["']""", tokenizer.chat_template) else "user"
     new = [{"role": role, "content": observation}] if isinstance(observation, str) else list(observation)
-    turn_mark = [{"role": "assistant", "content": MARK}]
-    try:
-        before, with_turn, after = (
+    turn_mark, said = [{"role": "assistant", "content": MARK}], [{"role": "assistant", "content": action_text}]
+    try:  # with the turn's text (does the template rewrite it once a message follows?) and with a mark in its place
+        before, with_text, after_text, with_turn, after = (
             tokenizer.apply_chat_template(m, add_generation_prompt=g, tokenize=False)
-            for m, g in ((chat, True), (chat + turn_mark, False), (chat + turn_mark + new, True)))
+            for m, g in ((chat, True), (chat + said, False), (chat + said + new, True), (chat + turn_mark, False),
+                         (chat + turn_mark + new, True)))
     except Exception as e:
         fail(f"--env {args.env}: the chat template cannot render the observation of turn {turn} ({reason(e)})")
-    if not (with_turn.startswith(before) and after.startswith(with_turn) and MARK in with_turn[len(before):]):
+    if not (with_text.startswith(before) and after_text.startswith(with_text) and with_turn.startswith(before)
+            and after.startswith(with_turn) and MARK in with_turn[len(before):]):
         fail(f"--env {args.env}: the chat template rewrites earlier turns (e.g. drops their reasoning), so the "
              f"episode's tokens would not be what the model sees on turn {turn + 1}: use a template that only appends")
     end = with_turn[with_turn.index(MARK, len(before)) + len(MARK):]  # the template's end of an assistant turn
     stop_text = tokenizer.decode([stop_id]) if stop_id is not None else ""
     if stop_text and stop_text in end:
         end = end.split(stop_text, 1)[1]  # the agent sampled that token itself
-    chat += [{"role": "assistant", "content": action_text}] + new
+    chat += said + new
     return tokenizer(end + after[len(with_turn):], add_special_tokens=False).input_ids
 
 

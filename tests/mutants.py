@@ -207,6 +207,8 @@ MUTANTS = [
     ("kl-on-observations", "ppo.py",
      "kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask",
      "kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * attention_mask[:, P:]"),
+    ("append-only-checked-on-a-placeholder-alone", "ppo.py",
+     "after_text.startswith(with_text) and", "True and"),
     ("observation-delta-keeps-the-sampled-stop-token", "ppo.py",
      "end = end.split(stop_text, 1)[1]", "end = end"),
 ]

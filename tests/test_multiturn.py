@@ -294,14 +294,17 @@ def test_a_chat_models_observation_is_its_templates_delta(name, stop, expected):
 
 
 @pytest.mark.fast
-def test_a_template_that_rewrites_earlier_turns_is_refused():
+@pytest.mark.parametrize("rewrite", ["...", "{{ m.content.split('</think>')[-1] }}"])
+def test_a_template_that_rewrites_earlier_turns_is_refused(rewrite):
     tok = AutoTokenizer.from_pretrained(real_models.tokenizer_dir("qwen2"))
-    # as templates that drop earlier turns' reasoning do: the last assistant turn is rendered differently
+    # an assistant turn rendered otherwise once a message follows it: replaced, or stripped of its reasoning
+    # (Qwen3's template does that; it shows only with reasoning in the turn's own text)
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not "
-                         "loop.last %}...{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                         "loop.last %}" + rewrite + "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     with pytest.raises(ppo.UsageError, match="the chat template rewrites earlier turns"):
-        ppo.observation_ids(tok, [dict(m) for m in CHAT], "8", "higher", None, ppo.Args(env="x.py:E"), 1)
+        ppo.observation_ids(tok, [dict(m) for m in CHAT], "<think>halve it</think>8", "higher", None,
+                            ppo.Args(env="x.py:E"), 1)
 
 
 def test_two_ranks_train_on_episodes_as_one_process(tmp_path, monkeypatch):
