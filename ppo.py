@@ -122,8 +122,8 @@ class Args:
     max_turns: Optional[int] = None
     """the most agent turns of an episode (None: 1; the world's own with --model guess)"""
     max_episode_tokens: Optional[int] = None
-    """the most tokens after the first observation, the agent's and the observations' (None: --response-length
-    for one turn, else twice --max-turns x --response-length); the limit that cuts an episode"""
+    """the most tokens after the first observation, the agent's and the observations' (None: --max-turns x
+    --response-length, plus 64 for each observation); the limit that cuts an episode, as does the model's context"""
     keep_sampling_mask: bool = False
     """with top-p / top-k: every log-prob (old, new and the reference's) on the truncated distribution the
     sampler drew from, its support kept from the rollout (DeepSeek-V3.2), so the KL is 0 while policy = reference"""
@@ -356,11 +356,12 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def env_seeds(args, update, rank, n, stream=0):
-    """This rank's episode seeds of an update, from (seed, update, rank, stream) alone, so a resumed run
-    replays the same episodes; a group's G episodes share theirs (the same task, G tries)."""
-    seeds = np.random.SeedSequence([args.seed, update, rank, stream]).generate_state(n)  # (n,) uint32
-    return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
+def env_seeds(args, update, rank, n, evaluation=False):
+    """This rank's episode seeds of an update, from (seed, update, rank) alone, so a resumed run replays the
+    same episodes; in training a group's G episodes share theirs (the same task, G tries)."""
+    seeds = np.random.SeedSequence([args.seed, update, rank, int(evaluation)]).generate_state(n)  # (n,) uint32
+    group = 1 if evaluation else args.group_size
+    return [int(s) for s in seeds[np.arange(n) // group * group]]
 
 
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
@@ -408,12 +409,15 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
     --response-length), its env steps on the turn's decoded text, and the observation's tokens are
     appended. The agent's tokens stay the sampled ids: decoding and re-tokenizing them can change the ids
     (TRL #5224, veRL #6719), and the trainer would score tokens the sampler never drew. An episode ends
-    when its env says done (has_eos), or is cut at --max-turns or --max-episode-tokens. Returns
+    when its env says done (has_eos), or is cut: at --max-turns, at --max-episode-tokens, or where the
+    next observation and a whole turn would not fit in the model's context (vLLM's max_model_len). Returns
     `generate`'s tuple for the episodes after the first observation, with the action mask as `mask`
     (1 on sampled tokens, each turn's stop token included; 0 on observations and padding), and the step
     rewards (B, T), each on the last agent token of its turn."""
     stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
-    envs = [env_class() for _ in rows]
+    context = min(getattr(policy.config, "max_position_embeddings", None) or math.inf,
+                  args.max_prompt_length + args.max_episode_tokens if llm is not None else math.inf)  # positions
+    envs = [env_call(args, 0, env_class) for _ in rows]  # (a constructor that raises: one line too)
     chats, prompts = zip(*[first_observation(tokenizer, env_call(args, 0, env.reset, row, int(seed)), args)
                            for env, row, seed in zip(envs, rows, seeds)])  # the conversations; the prompt ids
     B, cap = len(rows), args.max_episode_tokens
@@ -438,9 +442,13 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
             if not over[i]:
                 stop_id = turn_ids[-1] if turn_ids[-1] in stop_ids else None
                 obs_ids = observation_ids(tokenizer, chats[i], text, observation, stop_id, args, turn)
-                if len(ids[i]) + len(obs_ids) >= cap:
-                    fail(f"--env {args.env}: the observation after turn {turn} ({len(obs_ids)} tokens) fills the "
-                         f"episode's --max-episode-tokens {cap}: raise it, or shorten the observations")
+                if len(obs_ids) >= cap:
+                    fail(f"--env {args.env}: the observation after turn {turn} is {len(obs_ids)} tokens, no room left "
+                         f"in --max-episode-tokens {cap}: raise it, or shorten the observations")
+                # cut where the observation leaves no room in the cap, or a whole turn would overflow the context
+                over[i] = (len(ids[i]) + len(obs_ids) >= cap
+                           or len(prompts[i]) + len(ids[i]) + len(obs_ids) + args.response_length > context)
+            if not over[i]:
                 ids[i] += obs_ids
                 action[i] += [0.0] * len(obs_ids)
                 reward[i] += [0.0] * len(obs_ids)
@@ -1175,8 +1183,8 @@ def check_args(args, world):
     if args.env is not None and (args.reward_fn or args.reward_model):
         fail("--env gives the rewards: --reward-fn and --reward-model with it are not supported yet")
     args.max_turns = args.max_turns or 1
-    if args.max_episode_tokens is None:  # room for the observations between turns
-        args.max_episode_tokens = args.response_length * (1 if args.max_turns == 1 else 2 * args.max_turns)
+    if args.max_episode_tokens is None:  # the turns, and room for an observation between two
+        args.max_episode_tokens = args.max_turns * args.response_length + (args.max_turns - 1) * 64
     if args.model == "chain" and args.reward_model is None and args.reward_fn is None:
         args.reward_fn = "chain:reward"  # the chain world's verifiable reward
     if args.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference in it
@@ -1604,8 +1612,8 @@ def load_prompt_rows(args, env=None):
         if not callable(getattr(env, "rows", None)):
             fail(f"--env {args.env} has no rows: pass --dataset, or give the class a static rows(n, seed)")
         rows = [env_call(args, 0, env.rows, n, seed) for n, seed in ((2048, 1234), (args.eval_size, 4321))]
-        if not all(isinstance(r, list) and all(isinstance(x, dict) for x in r) for r in rows):
-            fail(f"--env {args.env}: rows(n, seed) must return a list of dicts")
+        if not all(isinstance(r, list) and all(isinstance(x, dict) for x in r) for r in rows) or not rows[0]:
+            fail(f"--env {args.env}: rows(n, seed) must return a non-empty list of dicts")
         return rows
     if args.dataset is None:  # a built-in world's prompts (the toy's for any other --model)
         world = importlib.import_module(args.model if args.model in WORLDS else "toy")
@@ -1749,7 +1757,8 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
 def load_env(spec):
     env = load_python(spec, "--env")
     if not (isinstance(env, type) and callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
-        fail(f"--env {spec!r} is a {type(env).__name__}, not a class with reset(row, seed) and step(action_text)")
+        what = "a class without them" if isinstance(env, type) else f"a {type(env).__name__}"
+        fail(f"--env {spec!r} must be a class with reset(row, seed) and step(action_text): it is {what}")
     return env
 
 
@@ -1799,7 +1808,10 @@ def first_observation(tokenizer, observation, args):
     chat = None
     if tokenizer.chat_template:
         chat = [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
-    ids = render_prompt(tokenizer, observation if chat is None else chat)
+    try:
+        ids = render_prompt(tokenizer, observation if chat is None else chat)
+    except Exception as e:  # a template that refuses these messages (roles that must alternate, say)
+        fail(f"--env {args.env}: the chat template cannot render reset()'s observation ({reason(e)})")
     if not 0 < len(ids) <= args.max_prompt_length:
         fail(f"--env {args.env}: reset()'s observation is {len(ids)} tokens: it must be 1 to --max-prompt-length "
              f"{args.max_prompt_length}")
@@ -2134,7 +2146,7 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     with own_rng(device):
         torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
         sums, samples, turn_rewards = {}, [], None
-        seeds = env_seeds(args, update, rank, len(mine), stream=1) if models.env else None  # not the training ones
+        seeds = env_seeds(args, update, rank, len(mine), evaluation=True) if models.env else None
         for i in range(0, len(mine), local_batch):
             idx = mine[i: i + local_batch]
             with amp:

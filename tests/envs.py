@@ -25,6 +25,11 @@ class Replies:
         return observation, reward, self.turn >= self.turns
 
 
+class Long(Replies):
+    """Eight turns, its replies growing: past the toy model's 128 positions."""
+    turns = 8
+
+
 class OneTurn(Replies):
     """One turn whose reward is tests/envs.py:great_reward: the same rows as --reward-fn with it."""
 
@@ -48,6 +53,10 @@ def great_reward(prompts, responses, **columns):
 class Bad(Replies):
     """A broken env: BAD names what is wrong with it (set by the test)."""
     BAD = None
+
+    def __init__(self):
+        if self.BAD == "the constructor raises":
+            raise RuntimeError("no levels installed")
 
     def reset(self, row, seed):
         if self.BAD == "reset raises":
@@ -78,3 +87,9 @@ class Uneven(Replies):
     def reset(self, row, seed):
         self.turns = 1 + seed % 4
         return super().reset(row, seed)
+
+
+class NoRowsAtAll(NoRows):
+    @staticmethod
+    def rows(n, seed):
+        return []

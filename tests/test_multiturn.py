@@ -242,7 +242,8 @@ def test_a_one_turn_env_gives_the_rows_of_its_reward_function():
     ("text reward", "the reward '1': return a finite number"),
     ("done is 1", "done = 1: return True or False"),
     ("None while not done", "the observation None: return a string"),
-    ("a huge observation", "fills the episode's --max-episode-tokens 144"),
+    ("a huge observation", "is 400 tokens, no room left in --max-episode-tokens 200"),
+    ("the constructor raises", "Bad\\(\\) raised RuntimeError on turn 0: no levels installed"),
 ])
 def test_a_broken_env_gets_one_line(bad, message, monkeypatch):
     monkeypatch.setattr(envs.Bad, "BAD", bad)
@@ -254,7 +255,8 @@ def test_a_broken_env_gets_one_line(bad, message, monkeypatch):
 @pytest.mark.fast
 @pytest.mark.parametrize("flags, message", [
     (dict(env=f"{ENVS}:NoRows"), "has no rows: pass --dataset, or give the class a static rows"),
-    (dict(env=f"{ENVS}:great_reward"), "is a function, not a class with reset"),
+    (dict(env=f"{ENVS}:great_reward"), "must be a class with reset.*: it is a function"),
+    (dict(env=f"{ENVS}:NoRowsAtAll"), "rows\\(n, seed\\) must return a non-empty list of dicts"),
     (dict(env=f"{ENVS}:Missing"), "--env .* cannot be loaded \\(AttributeError"),
     (dict(max_turns=3), "--max-turns 3 needs --env"),
     (dict(env=f"{ENVS}:Replies", reward_fn=f"{ENVS}:great_reward"), "--env gives the rewards"),
@@ -410,3 +412,39 @@ def test_torchrun_plays_episodes_of_different_lengths_on_each_rank(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open("runs/test_env_ranks/metrics.jsonl")]
     assert len(rows) == 2 and all(1 < r["env/turns"] < 4 and r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
+
+
+@pytest.mark.fast
+def test_episodes_are_cut_where_the_cap_or_the_context_leaves_no_room(monkeypatch):
+    """An observation that does not fit ends its episode, cut (not an error): at --max-episode-tokens, and
+    where a whole next turn would overflow the model's positions (the toy's 128)."""
+    seen, real = [], ppo.minibatch_backward
+    monkeypatch.setattr(ppo, "minibatch_backward", lambda policy, critic, rollout, *a, **k: (
+        seen.append(rollout), real(policy, critic, rollout, *a, **k))[1])
+    for env, turns, cap in (("Replies", 3, 20), ("Long", 8, None)):  # None: the default, 576, past the context
+        shutil.rmtree("runs/test_env_cut", ignore_errors=True)
+        ppo.main(ppo.Args(env=f"{ENVS}:{env}", max_turns=turns, max_episode_tokens=cap, total_episodes=16,
+                          batch_size=16, num_ppo_epochs=1, save_every=0, run_name="test_env_cut"))
+        rollout = seen[-1]
+        ends = rollout.mask.gather(1, (rollout.lengths - 1)[:, None]).squeeze(1)
+        assert (~rollout.has_eos).all() and (ends == 1).all()  # all cut; every episode ends on an agent token
+        if cap:
+            assert (rollout.lengths <= cap).all() and (rollout.lengths > cap - 10).any()
+        else:
+            assert (rollout.attention_mask.sum(1) <= 128).all() and (rollout.attention_mask.sum(1) > 128 - 24 - 40).all()
+
+
+@pytest.mark.fast
+def test_evaluation_episodes_get_seeds_of_their_own():
+    args = ppo.Args(group_size=4)
+    train, held_out = ppo.env_seeds(args, 3, 0, 8), ppo.env_seeds(args, 3, 0, 8, evaluation=True)
+    assert train[:4] == [train[0]] * 4 and train[4] != train[0]  # a group: one task, four tries
+    assert len(set(held_out)) == 8 and not set(held_out) & set(train)
+
+
+@pytest.mark.fast
+def test_a_template_that_refuses_the_first_messages_gets_one_line():
+    tok = AutoTokenizer.from_pretrained(real_models.tokenizer_dir("mistral"))  # user and assistant only, alternating
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "guess 1 16 ?"}]
+    with pytest.raises(ppo.UsageError, match="cannot render reset\\(\\)'s observation \\(Conversation roles"):
+        ppo.first_observation(tok, messages, ppo.Args(env="x.py:E"))
