@@ -112,7 +112,8 @@ class Args:
     logprob_chunk: int = 256
     """log-probs from the hidden states, this many tokens at a time: no (b, T, V) logits kept (0 = all at once)"""
     env: Optional[str] = None
-    """multi-turn episodes with an environment class, `FILE.py:NAME` or `module:NAME`, one instance per episode:
+    """multi-turn episodes with an environment class, `FILE.py:NAME` or `module:NAME`, one instance per episode
+    (or a single-player TextArena game by its id, `textarena/GuessTheNumber-v0`):
     reset(row, seed) -> the first observation, a string or chat messages (row: the dataset row, its extra
     columns too; seed: from the run's stream, the same for a group); step(action_text) -> (observation,
     reward, done), the observation None only when done. A string observation is a user message for a chat
@@ -1755,11 +1756,48 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
 # --- environments (--env): multi-turn episodes --------------------------------------------------
 
 def load_env(spec):
+    if spec.startswith("textarena/"):  # a game by its TextArena id, e.g. textarena/GuessTheNumber-v0
+        return textarena_game(spec.split("/", 1)[1])
     env = load_python(spec, "--env")
     if not (isinstance(env, type) and callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         what = "a class without them" if isinstance(env, type) else f"a {type(env).__name__}"
         fail(f"--env {spec!r} must be a class with reset(row, seed) and step(action_text): it is {what}")
     return env
+
+
+def textarena_game(game):
+    """A single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class, its task drawn
+    from the episode's seed. TextArena's default wrapper sends the whole history as each observation, which
+    is not append-only: the env passes on what is new, less the echo of the agent's own move. The reward
+    comes from close() at the end of the game (in GuessTheNumber: 1 for a win)."""
+    try:
+        import textarena as ta
+        ta.make(game)
+    except Exception as e:
+        fail(f"--env textarena/{game}: {reason(e)} (pip install textarena; give a single-player game id such as "
+             "GuessTheNumber-v0)")
+
+    class Game:
+        @staticmethod
+        def rows(n, seed):
+            return [{"game": game} for _ in range(n)]
+
+        def reset(self, row, seed):
+            self.env = ta.make(game)
+            self.env.reset(num_players=1, seed=seed)
+            self.seen = self.env.get_observation()[1]  # the history so far, as TextArena renders it
+            return self.seen.strip()
+
+        def step(self, action_text):
+            done, _ = self.env.step(action_text)
+            if done:
+                rewards, _ = self.env.close()
+                return None, float((rewards or {}).get(0, 0.0)), True
+            history = self.env.get_observation()[1]
+            new, self.seen = history[len(self.seen):], history
+            return "\n".join(line for line in new.strip().splitlines() if not line.startswith("[Player]")), 0.0, False
+    Game.__name__ = Game.__qualname__ = game
+    return Game
 
 
 def env_call(args, turn, method, *a):
