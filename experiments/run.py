@@ -407,6 +407,26 @@ def guess_world():
     return out
 
 
+def guess_budget():
+    """Issue 27's first comparison on the guess world: the critic (GAE) against GRPO and RLOO (8 episodes a task)
+    at 64 episodes an update, in generated agent tokens (the sampling budget) to 0.8 success (5-update mean)."""
+    out, fig = {}, plt.figure(figsize=(5, 3.6))
+    for name, flags in (("gae", []), ("grpo_g8", ["--adv-estimator", "grpo", "--group-size", "8"]),
+                        ("rloo_g8", ["--adv-estimator", "rloo", "--group-size", "8"])):
+        for seed in (1, 2, 3):
+            rows, seconds = train(f"exp_guessbudget_{name}_s{seed}", "--model", "guess", "--seed", str(seed), *flags)
+            tokens = np.cumsum([r["time/generated_tokens"] for r in rows])
+            success = np.array([r["ppo/val/eos_rate"] for r in rows])
+            reach = next((float(k) for k, x in zip(tokens[4:], smooth(success)) if x >= 0.8), None)
+            out[f"{name} seed={seed}"] = {"tokens_to_success_0.8": reach, "success_last10": float(success[-10:].mean()),
+                                          "seconds": seconds}
+            plt.plot(tokens / 1000, success, lw=1, color={"gae": "C0", "grpo_g8": "C1", "rloo_g8": "C2"}[name],
+                     label=name if seed == 1 else None)
+    plt.xlabel("generated agent tokens (thousands)"), plt.ylabel("success"), plt.legend(), plt.tight_layout()
+    fig.savefig(os.path.join(HERE, "guess_budget.png"), dpi=80)
+    return out
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "critic"]
     path = os.path.join(HERE, "results.json")
@@ -414,7 +434,7 @@ if __name__ == "__main__":
     for name, fn in (("kl", kl_ablation), ("clip", clip_fraction), ("critic", critic_ablation),
                      ("smollm2", smollm2_curve), ("lengthbias", length_bias), ("chaincritic", chain_critic),
                      ("budget", budget), ("truncation", truncation), ("firstwrong", first_wrong_step),
-                     ("guess", guess_world)):
+                     ("guess", guess_world), ("guessbudget", guess_budget)):
         if name in chosen:
             results[name] = fn()
             json.dump(results, open(path, "w"), indent=1)
