@@ -1768,8 +1768,9 @@ def load_env(spec):
 def textarena_game(game):
     """A single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class, its task drawn
     from the episode's seed. TextArena's default wrapper sends the whole history as each observation, which
-    is not append-only: the env passes on what is new, less the echo of the agent's own move. The reward
-    comes from close() at the end of the game (in GuessTheNumber: 1 for a win)."""
+    is not append-only: the env passes on the game's messages since the agent's last move, rendered as
+    TextArena renders them, and leaves out the echo of the move itself. The reward comes from close() at
+    the end of the game (in GuessTheNumber: 1 for a win, else how close the last guess came)."""
     try:
         import textarena as ta
         ta.make(game)
@@ -1785,17 +1786,24 @@ def textarena_game(game):
         def reset(self, row, seed):
             self.env = ta.make(game)
             self.env.reset(num_players=1, seed=seed)
-            self.seen = self.env.get_observation()[1]  # the history so far, as TextArena renders it
-            return self.seen.strip()
+            self.log = self.env
+            while not hasattr(self.log, "full_observations"):  # the wrapper that keeps the messages in order
+                self.log = self.log.env
+            self.seen = 0
+            return self.news()
+
+        def news(self):
+            self.env.get_observation()  # (files the new messages in the wrapper's log)
+            log = self.log.full_observations.get(0, [])  # (sender, message, kind), the agent's moves too
+            new, self.seen = log[self.seen:], len(log)
+            return "\n".join(f"[GAME] {message}" for sender, message, _ in new if sender == ta.GAME_ID)
 
         def step(self, action_text):
             done, _ = self.env.step(action_text)
             if done:
                 rewards, _ = self.env.close()
                 return None, float((rewards or {}).get(0, 0.0)), True
-            history = self.env.get_observation()[1]
-            new, self.seen = history[len(self.seen):], history
-            return "\n".join(line for line in new.strip().splitlines() if not line.startswith("[Player]")), 0.0, False
+            return self.news(), 0.0, False
     Game.__name__ = Game.__qualname__ = game
     return Game
 

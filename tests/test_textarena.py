@@ -38,6 +38,15 @@ def test_a_textarena_game_plays_through_the_adapter():
     assert len({play_binary_search(seed=s)[3] for s in range(8)}) > 2
 
 
+def test_the_echo_of_a_move_is_left_out_whatever_its_lines():
+    env = ppo.textarena_game(GAME)()
+    env.reset({"game": GAME}, 3)
+    observation, reward, done = env.step("I think\n[1]\nis my guess, or [2]")  # (the secret is 8 at seed 3)
+    assert not done and observation == "[GAME] The target number is higher."
+    observation, _, done = env.step("no number")  # the first invalid move gets a warning (the second loses)
+    assert not done and observation.startswith("[GAME] You attempted an invalid move") and "no number" not in observation
+
+
 def test_a_short_run_on_a_textarena_game(monkeypatch):
     shutil.rmtree("runs/test_textarena", ignore_errors=True)
     ppo.main(ppo.Args(env=f"textarena/{GAME}", max_turns=2, response_length=4, total_episodes=16, batch_size=8,
