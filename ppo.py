@@ -84,7 +84,7 @@ import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 
-from gae import compute_gae_over_actions
+from gae import compute_gae, compute_gae_over_actions
 
 
 # ==============================================================================================
@@ -166,6 +166,10 @@ class Args:
     lam_alpha: Optional[float] = None
     """length-adaptive lambda of VAPO for the policy's advantages, 1 - 1 / (alpha * length) clamped to [0, 1]
     (below 1 / alpha tokens the formula goes negative); the critic keeps --lam (VAPO: 0.05; None = off)"""
+    gae_across_observations: bool = True
+    """--env: GAE's trace runs on over the observations between turns (False, an ablation: gae.py's scan on the
+    action mask as it is, which restarts the trace at each observation and bootstraps each turn's last token
+    from the next turn's first value)"""
     adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
     """GAE with the critic; or critic-free, one advantage per response against its group of samples:
     grpo = score - group mean (over the group std, see --group-std), rloo = score - mean of the others"""
@@ -990,6 +994,8 @@ def main(args: Args):
         # 5. GAE over the agent's tokens (across an episode's observations), or a critic-free baseline from
         # each prompt's group of samples
         gae = compute_gae_over_actions  # gae.py's scan on each row's agent tokens (one turn: the scan as it is)
+        if not args.gae_across_observations:
+            gae = compute_gae  # the ablation: the trace restarts at each observation (a hole in the mask)
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)  # (B, T) each
         if args.lam_alpha is not None:  # VAPO: the policy's lambda nears 1 with the length (the critic keeps --lam)
             lam = (1 - 1 / (args.lam_alpha * mask.sum(1))).clamp(0, 1)  # (B,): < 0 below 1 / alpha agent tokens
@@ -1196,8 +1202,9 @@ def check_args(args, world):
         fail("--kl-in-loss with --kl-estimator k1 does not regularise: its gradient is that of log p, with no "
              "reference in it (Tang and Munos 2025); use k2 (the reverse KL's gradient), k3 (GRPO's) or abs")
     if args.adv_estimator != "gae" and (args.bootstrap_truncated or args.critic_lam is not None
-                                        or args.lam_alpha is not None):
-        fail(f"--bootstrap-truncated, --critic-lam and --lam-alpha need a critic: --adv-estimator "
+                                        or args.lam_alpha is not None or not args.gae_across_observations):
+        fail(f"--bootstrap-truncated, --critic-lam, --lam-alpha and --no-gae-across-observations need a critic: "
+             f"--adv-estimator "
              f"{args.adv_estimator} has none (use --adv-estimator gae)")
     sampler_filter = args.top_p != 1.0 or args.top_k != 0
     if sampler_filter and not args.keep_sampling_mask:

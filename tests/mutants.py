@@ -211,6 +211,9 @@ MUTANTS = [
      "after_text.startswith(with_text) and", "True and"),
     ("observation-delta-keeps-the-sampled-stop-token", "ppo.py",
      "end = end.split(stop_text, 1)[1]", "end = end"),
+    ("gae-ablation-flag-ignored", "ppo.py", "if not args.gae_across_observations:", "if False:"),
+    ("textarena-echoes-the-agents-move", "ppo.py",
+     'for sender, message, _ in new if sender == ta.GAME_ID)', 'for sender, message, _ in new)'),
 ]
 NOT_KILLERS = ["--ignore=tests/test_readme_map.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 

@@ -20,9 +20,10 @@ from gae import compute_gae, compute_gae_over_actions
 ENVS = "envs"  # tests/envs.py, imported as a module: the same one the tests read the log of
 
 
-def gae_per_episode(rewards, values, mask, gamma, lam, bootstrap=None):
+def gae_per_episode(rewards, values, mask, gamma, lam, bootstrap=None, cut=False):
     """The recursion over each row's agent tokens alone (float64): V after a turn's last token is V at
-    the next turn's first agent token; after the episode's last, 0 or the bootstrap value."""
+    the next turn's first agent token; after the episode's last, 0 or the bootstrap value. `cut`: the
+    trace restarts at each observation (--no-gae-across-observations)."""
     adv = np.zeros_like(rewards)
     for b in range(len(rewards)):
         agent = np.flatnonzero(mask[b])  # the agent's positions, observations skipped
@@ -30,6 +31,8 @@ def gae_per_episode(rewards, values, mask, gamma, lam, bootstrap=None):
         for j in reversed(range(len(agent))):
             t = agent[j]
             after = values[b, agent[j + 1]] if j + 1 < len(agent) else (0.0 if bootstrap is None else bootstrap[b])
+            if cut and j + 1 < len(agent) and agent[j + 1] > t + 1:
+                last = 0.0  # an observation lies between t and the next agent token
             last = rewards[b, t] + gamma * after - values[b, t] + gamma * lam_b * last
             adv[b, t] = last
     return adv, (adv + values) * mask
@@ -173,6 +176,24 @@ def test_gae_runs_over_the_agents_tokens_across_observations(episodes):
                                    args.gamma, args.lam)
         torch.testing.assert_close(rollout.advantages.double(), torch.from_numpy(adv), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rollout.returns.double(), torch.from_numpy(ret), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.fast
+def test_the_ablation_restarts_the_trace_at_each_observation(monkeypatch):
+    seen, real_backward = [], ppo.minibatch_backward
+    monkeypatch.setattr(ppo, "minibatch_backward", lambda policy, critic, rollout, *a, **k: (
+        seen.append(rollout), real_backward(policy, critic, rollout, *a, **k))[1])
+    shutil.rmtree("runs/test_gae_cut", ignore_errors=True)
+    args = ppo.Args(run_name="test_gae_cut", env=f"{ENVS}:Replies", max_turns=4, total_episodes=16, batch_size=16,
+                    num_ppo_epochs=1, save_every=0, whiten_advantages=False, gae_across_observations=False)
+    ppo.main(args)
+    rollout = seen[0]
+    rewards, values, mask = (x.double().numpy() for x in (rollout.rewards, rollout.values, rollout.mask))
+    adv, ret = gae_per_episode(rewards, values, mask, args.gamma, args.lam, cut=True)
+    torch.testing.assert_close(rollout.advantages.double(), torch.from_numpy(adv), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rollout.returns.double(), torch.from_numpy(ret), atol=1e-5, rtol=1e-5)
+    across, _ = gae_per_episode(rewards, values, mask, args.gamma, args.lam)
+    assert np.abs(across - adv).max() > 1e-3  # (the two differ on these episodes)
 
 
 @pytest.mark.fast

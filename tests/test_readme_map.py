@@ -32,7 +32,10 @@ def sections(path="ppo.py"):
 
 
 def variant_reads(flag, path="ppo.py"):
-    """The lines of ppo.py that read `args.<flag>`, as the README writes them: 12, 40-41."""
+    """The lines of ppo.py that read `args.<flag>`, as the README writes them: 12, 40-41 (`no_x`: tyro's
+    negation of a boolean field `x`)."""
+    if flag.startswith("no_") and f"args.{flag}" not in open(path).read():
+        flag = flag[3:]
     hits = [i for i, line in enumerate(open(path).read().splitlines(), 1) if re.search(rf"args\.{flag}\b", line)]
     runs = []
     for i in hits:

@@ -160,6 +160,7 @@ def test_kl_in_the_loss_pulls_the_policy_towards_the_reference(world, estimator,
     (dict(adv_estimator="grpo", group_size=2, bootstrap_truncated=True, missing_eos_penalty=None), "need a critic"),
     (dict(adv_estimator="rloo", group_size=2, critic_lam=1.0), "need a critic"),
     (dict(adv_estimator="grpo", group_size=2, lam_alpha=0.05), "need a critic"),
+    (dict(adv_estimator="rloo", group_size=2, gae_across_observations=False), "need a critic"),
 ])
 def test_combinations_that_would_do_nothing_are_refused(flags, message):
     with pytest.raises(ppo.UsageError, match=message):
