@@ -22,6 +22,7 @@ random number (it ignores all of them). It starts near 30% success at temperatur
 (three quarters of the successes in 2 or more), and RL has one thing to learn: to follow the replies.
 """
 import json
+import math
 import os
 import random
 import re
@@ -69,6 +70,32 @@ class Guess:
     def rows(n: int, seed: int) -> list[dict]:
         rng = random.Random(seed)
         return [{"lo": LO, "hi": HI, "secret": rng.randint(LO, HI)} for _ in range(n)]
+
+
+class GuessSteps(Guess):
+    """Guess with a reward at every turn (`--env guess:GuessSteps`, for experiments/run.py guesssteps): each
+    reply pays the share of the game's bits it gave, log2 of the numbers still consistent with the replies
+    before the guess over those after, over log2 of the 16; the right guess pays the bits still missing
+    plus Guess's 1. The bits missing are a potential (Ng et al. 1999), so the step rewards telescope: a
+    success returns 2 whatever its path, a failure what its replies taught it (less than 1), and the
+    episode's success is still the share the env ended."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        first = super().reset(row, seed)
+        self.left = (self.lo, self.hi)  # the numbers still consistent with the replies
+        return first
+
+    def step(self, action_text: str) -> tuple[str | None, float, bool]:
+        observation, reward, done = super().step(action_text)
+        (lo, hi), k = self.left, int(action_text.split()[0]) if observation != "invalid" else None
+        if done:
+            self.left = (self.secret, self.secret)
+        elif observation == "higher":
+            self.left = (max(lo, k + 1), hi)
+        elif observation == "lower":
+            self.left = (lo, min(hi, k - 1))
+        gained = math.log2((hi - lo + 1) / (self.left[1] - self.left[0] + 1)) / math.log2(HI - LO + 1)
+        return observation, reward + gained, done
 
 
 def demonstration(secret: int, rng: random.Random, p_good: float = P_GOOD) -> list[tuple[str, str | None]]:

@@ -4,6 +4,7 @@
     python experiments/run.py lengthbias chaincritic budget truncation   # the chain world's four (chain.py)
     python experiments/run.py firstwrong  # after chaincritic: does its critic see a slip coming
     python experiments/run.py guess       # the multi-turn world (guess.py), three seeds
+    python experiments/run.py guessbudget guesscut guesssteps guessvalue arena   # issue 27's
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -22,6 +23,12 @@
      over-long filtering, soft over-length penalty (DAPO).
 9. guess: the multi-turn world (`--model guess`, guess.py) with its defaults, 3 seeds: success against
    seconds, and the turns per success.
+10-13. issue 27, on the guess world, 3 seeds each, in generated agent tokens to 0.8 success:
+   guessbudget: the critic (GAE) against GRPO and RLOO;
+   guesscut: GAE carried across the observations against cut at each one, with 5 turns and with 4;
+   guesssteps: a reward at every turn (guess:GuessSteps) against the final reward alone, 5 and 4 turns;
+   guessvalue (after guesscut): the critic's value after each reply against the episode's success (AUC).
+14. arena: SmolLM2-135M-Instruct learns TextArena's GuessTheNumber, 3 seeds: games won before and after.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers the README quotes).
 """
@@ -407,35 +414,195 @@ def guess_world():
     return out
 
 
+def guess_runs(experiment, variants, settings=(("5 turns", []),), seeds=(1, 2, 3)):
+    """Each (setting, variant, seed) run of the guess world at its defaults plus the flags, one at a time:
+    generated agent tokens to 0.8 success (5-update mean) and the success of the last 10 updates; success
+    against tokens drawn, one panel per setting."""
+    out, fig, axes = {}, *plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.6), squeeze=False)
+    for ax, (setting, common) in zip(axes[0], settings):
+        for c, (name, flags) in enumerate(variants.items()):
+            for seed in seeds:
+                tag = f"{name}_{setting.split()[0]}t" if len(settings) > 1 else name
+                rows, seconds = train(f"exp_{experiment}_{tag}_s{seed}", "--model", "guess", "--seed", str(seed),
+                                      *common, *flags)
+                tokens = np.cumsum([r["time/generated_tokens"] for r in rows])
+                success = np.array([r["ppo/val/eos_rate"] for r in rows])
+                reach = next((float(k) for k, x in zip(tokens[4:], smooth(success)) if x >= 0.8), None)
+                key = f"{name} seed={seed}" if len(settings) == 1 else f"{setting}: {name} seed={seed}"
+                out[key] = {"tokens_to_success_0.8": reach, "success_last10": float(success[-10:].mean()),
+                            "seconds": seconds}
+                ax.plot(tokens / 1000, success, lw=1, color=f"C{c}", label=name if seed == seeds[0] else None)
+        ax.set_title(setting, fontsize=9), ax.set_xlabel("generated agent tokens (thousands)"), ax.legend()
+    axes[0, 0].set_ylabel("success")
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, f"{experiment}.png"), dpi=80)
+    return out
+
+
 def guess_budget():
     """Issue 27's first comparison on the guess world: the critic (GAE) against GRPO and RLOO (8 episodes a task)
     at 64 episodes an update, in generated agent tokens (the sampling budget) to 0.8 success (5-update mean)."""
-    out, fig = {}, plt.figure(figsize=(5, 3.6))
-    for name, flags in (("gae", []), ("grpo_g8", ["--adv-estimator", "grpo", "--group-size", "8"]),
-                        ("rloo_g8", ["--adv-estimator", "rloo", "--group-size", "8"])):
-        for seed in (1, 2, 3):
-            rows, seconds = train(f"exp_guessbudget_{name}_s{seed}", "--model", "guess", "--seed", str(seed), *flags)
-            tokens = np.cumsum([r["time/generated_tokens"] for r in rows])
-            success = np.array([r["ppo/val/eos_rate"] for r in rows])
-            reach = next((float(k) for k, x in zip(tokens[4:], smooth(success)) if x >= 0.8), None)
-            out[f"{name} seed={seed}"] = {"tokens_to_success_0.8": reach, "success_last10": float(success[-10:].mean()),
-                                          "seconds": seconds}
-            plt.plot(tokens / 1000, success, lw=1, color={"gae": "C0", "grpo_g8": "C1", "rloo_g8": "C2"}[name],
-                     label=name if seed == 1 else None)
-    plt.xlabel("generated agent tokens (thousands)"), plt.ylabel("success"), plt.legend(), plt.tight_layout()
-    fig.savefig(os.path.join(HERE, "guess_budget.png"), dpi=80)
+    return guess_runs("guess_budget", {"gae": [], "grpo_g8": ["--adv-estimator", "grpo", "--group-size", "8"],
+                                       "rloo_g8": ["--adv-estimator", "rloo", "--group-size", "8"]})
+
+
+GUESS_SETTINGS = (("5 turns", []), ("4 turns (no slack)", ["--max-turns", "4"]))  # 4: binary search finds 15 of 16
+
+
+def guess_cut():
+    """GAE carried across the observations (the default) against gae.py's scan on the holey action mask, whose
+    trace restarts at each observation (--no-gae-across-observations); with 5 turns and with 4, where every
+    guess must be the midpoint."""
+    return guess_runs("guesscut", {"across": [], "cut": ["--no-gae-across-observations"]}, GUESS_SETTINGS)
+
+
+def guess_steps():
+    """A reward at every turn (guess:GuessSteps, the bits each reply gave) against the final reward alone."""
+    return guess_runs("guesssteps", {"final": [], "steps": ["--env", "guess:GuessSteps"]}, GUESS_SETTINGS)
+
+
+def guess_value(n=2048):
+    """After guesscut: does the critic's value after a reply predict the episode's success? For each variant and
+    seed, the critic after 15 updates (a run of its own, success near 0.8) and after 100 (guesscut's): n
+    episodes of that policy at T 0.7 (5 turns); per turn k, among the episodes that reached it, the AUC of the
+    value at turn k's first agent token (the state after k - 1 replies) between failures and successes (1 =
+    every failure valued below every success). Turn 1 is the control: the prompt is the same for all (0.5).
+    For reference, the AUC of the count of numbers still consistent with the replies (fewer: likelier)."""
+    sys.path.insert(0, ROOT)
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    import ppo
+
+    def auc(low, high):  # P(a value of `high` > a value of `low`), ties count half
+        low, high = np.array(low)[:, None], np.array(high)[None]
+        return float(((high > low) + 0.5 * (high == low)).mean()) if low.size and high.size else float("nan")
+    out = {}
+    for stage, variant, seed in [(u, v, s) for u in (15, 100) for v in ("across", "cut") for s in (1, 2, 3)]:
+        if stage == 100:
+            d = os.path.join(ROOT, "runs", f"exp_guesscut_{variant}_5t_s{seed}")
+        else:
+            d = os.path.join(ROOT, "runs", f"exp_guessvalue_{variant}_s{seed}")
+            train(f"exp_guessvalue_{variant}_s{seed}", "--model", "guess", "--seed", str(seed), "--total-episodes",
+                  str(64 * stage), *([] if variant == "across" else ["--no-gae-across-observations"]))
+        args = ppo.Args(model=os.path.join(d, "policy"), env="guess:Guess", max_turns=5, response_length=4)
+        ppo.check_args(args, 1)
+        models = ppo.load_models(args, None, torch.device("cpu"), log=lambda *a: None)
+        critic = ppo.ValueModel(AutoModelForSequenceClassification.from_pretrained(os.path.join(d, "critic")).eval())
+        tok = models.tokenizer
+        models.policy.generation_config = ppo.GenerationConfig(
+            do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=4, eos_token_id=models.stop_ids,
+            pad_token_id=tok.pad_token_id)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            qr, am, lengths, won, mask, P, _, _ = ppo.play(models.env, models.policy, tok, models.env.rows(n, 99),
+                                                           list(range(n)), torch.device("cpu"), args)
+            values = ppo.state_values(critic, qr, am, P)  # (n, T+1): column t = before response token t
+        by_turn = {}  # k: (value, consistent numbers, success) of each episode that reached turn k
+        for i in range(n):
+            m = mask[i].tolist() + [0]
+            starts = [t for t in range(len(m) - 1) if m[t] == 1 and (t == 0 or m[t - 1] == 0)]
+            lo, hi = 1, 16
+            for k, t in enumerate(starts, 1):
+                by_turn.setdefault(k, []).append((float(values[i, t]), hi - lo + 1, bool(won[i])))
+                end = next(u for u in range(t, len(m)) if m[u] == 0)  # the turn's end, then its reply
+                guess, reply = (tok.decode(qr[i, P + a:P + b]).split() for a, b in
+                                ((t, end), (end, starts[k] if k < len(starts) else end)))
+                if reply and guess and guess[0].isdigit():
+                    g = int(guess[0])
+                    lo, hi = (max(lo, g + 1), hi) if reply[0] == "higher" else (lo, min(hi, g - 1)) if \
+                        reply[0] == "lower" else (lo, hi)
+        res = {}
+        for k, eps in sorted(by_turn.items()):
+            fail = [e for e in eps if not e[2]]
+            ok = [e for e in eps if e[2]]
+            res[k] = {"value_auc": auc([e[0] for e in fail], [e[0] for e in ok]),
+                      "consistent_auc": auc([-e[1] for e in fail], [-e[1] for e in ok]),
+                      "episodes": len(eps), "failures": len(fail)}
+        out[f"update {stage}: {variant} seed={seed}"] = {"success": float(won.float().mean()), "turns": res}
+        print(stage, variant, seed, out[f"update {stage}: {variant} seed={seed}"], flush=True)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, stage in zip(axes, (15, 100)):
+        for c, variant in enumerate(("across", "cut")):
+            runs = [out[f"update {stage}: {variant} seed={seed}"]["turns"] for seed in (1, 2, 3)]
+            for seed, res in enumerate(runs, 1):
+                k = sorted(res)
+                ax.plot(k, [res[j]["value_auc"] for j in k], color=f"C{c}", lw=1, marker="o", ms=3,
+                        label=f"critic, GAE {variant}" if seed == 1 else None)
+                ax.plot(k, [res[j]["consistent_auc"] for j in k], color="grey", lw=0.5, ls="--",
+                        label="numbers still consistent" if seed == 1 and c == 0 else None)
+        ax.axhline(0.5, color="grey", lw=0.5)
+        ax.set_title(f"after {stage} updates", fontsize=9), ax.set_xlabel("turn k (the value after k - 1 replies)")
+        ax.set_xticks([1, 2, 3, 4, 5])
+    axes[0].set_ylabel("AUC: failures below successes"), axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "guessvalue.png"), dpi=80)
+    return out
+
+
+ARENA_GAME = "GuessTheNumber-v0"  # TextArena's: 1..20 in 10 guesses, hints higher/lower, a guess in [brackets]
+ARENA_FLAGS = ["--env", f"textarena/{ARENA_GAME}", "--max-turns", "10", "--response-length", "16",
+               "--max-prompt-length", "192", "--batch-size", "8", "--total-episodes", "80", "--num-minibatches", "2",
+               "--num-ppo-epochs", "1", "--learning-rate", "2e-5", "--critic-learning-rate", "2e-4"]
+
+
+def arena_games(policy_dir, n=32):
+    """n TextArena games with seeds of their own (the same games for every policy), sampled at the run's
+    temperature: the share won (reward 1; a lost game scores how close its last guess came), the mean
+    return and the turns a game took."""
+    import torch
+    import ppo
+    args = ppo.Args(model=policy_dir, env=f"textarena/{ARENA_GAME}", max_turns=10, response_length=16,
+                    max_prompt_length=192)
+    ppo.check_args(args, 1)
+    models = ppo.load_models(args, None, torch.device("cpu"), log=lambda *a: None)
+    models.policy.generation_config = ppo.GenerationConfig(
+        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.response_length,
+        eos_token_id=models.stop_ids, pad_token_id=models.tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    out = ppo.play(models.env, models.policy, models.tokenizer, [{"game": ARENA_GAME}] * n, list(range(10_000, 10_000 + n)),
+                   torch.device("cpu"), args)
+    returns, mask = out[-1].sum(1), out[4]  # (n,): each game's reward; (n, T): the action mask
+    turns = ((mask[:, 1:] == 0) & (mask[:, :-1] == 1)).sum(1) + mask[:, -1]  # (n,): ends of agent segments
+    return {"won": float((returns == 1).float().mean()), "return": float(returns.mean()), "turns": float(turns.float().mean())}
+
+
+def arena():
+    """Issue 27: SmolLM2-135M-Instruct (smollm2.py, offline) learns TextArena's GuessTheNumber through its ChatML
+    template, 3 seeds of 10 updates of 8 games: the share of 32 fixed games won before and after, seconds per update."""
+    sys.path.insert(0, ROOT)
+    import smollm2
+    model, _ = smollm2.build(os.path.join(ROOT, smollm2.ROOT))
+    out = {"before": arena_games(model)}
+    print("before", out["before"], flush=True)
+    fig = plt.figure(figsize=(5, 3.4))
+    for seed in (1, 2, 3):
+        name = f"exp_arena_s{seed}"
+        rows, seconds = train(name, "--model", model, "--seed", str(seed), *ARENA_FLAGS)
+        per_update = [r["time/rollout_s"] + r["time/update_s"] for r in rows]
+        out[f"seed={seed}"] = {"after": arena_games(os.path.join(ROOT, "runs", name, "policy")), "seconds": seconds,
+                               "median_s_per_update": float(np.median(per_update)),
+                               "return_first3": float(np.mean([r["objective/env"] for r in rows[:3]])),
+                               "return_last3": float(np.mean([r["objective/env"] for r in rows[-3:]])),
+                               "turns_first3": float(np.mean([r["env/turns"] for r in rows[:3]])),
+                               "turns_last3": float(np.mean([r["env/turns"] for r in rows[-3:]]))}
+        print(seed, out[f"seed={seed}"], flush=True)
+        plt.plot(np.arange(1, len(rows) + 1), [r["objective/env"] for r in rows], lw=1, label=f"seed {seed}")
+    plt.xlabel("update"), plt.ylabel("mean return (1 = won)"), plt.legend(), plt.tight_layout()
+    fig.savefig(os.path.join(HERE, "arena.png"), dpi=80)
     return out
 
 
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "critic"]
     path = os.path.join(HERE, "results.json")
-    results = json.load(open(path)) if os.path.exists(path) else {}
     for name, fn in (("kl", kl_ablation), ("clip", clip_fraction), ("critic", critic_ablation),
                      ("smollm2", smollm2_curve), ("lengthbias", length_bias), ("chaincritic", chain_critic),
                      ("budget", budget), ("truncation", truncation), ("firstwrong", first_wrong_step),
-                     ("guess", guess_world), ("guessbudget", guess_budget)):
+                     ("guess", guess_world), ("guessbudget", guess_budget), ("guesscut", guess_cut),
+                     ("guesssteps", guess_steps), ("guessvalue", guess_value), ("arena", arena)):
         if name in chosen:
-            results[name] = fn()
+            result = fn()
+            results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
+            results[name] = result
             json.dump(results, open(path, "w"), indent=1)
-    print(json.dumps(results, indent=1))
+            print(json.dumps({name: result}, indent=1))

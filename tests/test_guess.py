@@ -1,6 +1,7 @@
 """The guess world (guess.py), multi-turn: its environment's replies, binary search winning within its
 turns, and a few updates of `ppo.py --model guess` on a small world built in the test."""
 import json
+import math
 import shutil
 
 import pytest
@@ -47,6 +48,25 @@ def test_binary_search_wins_every_secret_within_the_turns_and_most_need_two():
     assert None not in turns and max(turns) == guess.MAX_TURNS
     assert sum(t >= 2 for t in turns) >= 0.9 * len(turns)
     assert play(guess.Guess(), lambda h: "8", {"secret": 3}) is None  # ignoring the replies loses
+
+
+def test_the_reward_at_every_turn_telescopes_to_the_bits_the_replies_gave():
+    for secret in range(guess.LO, guess.HI + 1):  # binary search and a wasteful linear search both return 2
+        for policy in (binary_search, lambda h: str(guess.LO + len(h) // 2)):
+            env, rewards, history = guess.GuessSteps(), [], [None]
+            env.reset({"secret": secret}, 0)
+            for _ in range(guess.HI):
+                action = policy(history)
+                observation, reward, done = env.step(action)
+                rewards.append(reward)
+                if done:
+                    break
+                history += [action, observation]
+            assert done and sum(rewards) == pytest.approx(2.0)
+    env = guess.GuessSteps()
+    env.reset({"secret": 3}, 0)
+    steps = [env.step(a) for a in ("x", "8", "8", "2")]  # 1..7 left after "lower", then 3..7 after "higher"
+    assert [r for _, r, _ in steps] == pytest.approx([0.0, math.log2(16 / 7) / 4, 0.0, math.log2(7 / 5) / 4])
 
 
 def test_a_few_updates_of_the_guess_world(tmp_path, monkeypatch):

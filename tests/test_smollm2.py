@@ -86,3 +86,36 @@ def test_one_update_on_smollm2_through_vllm(smol):
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(open("runs/test_smollm2_vllm/metrics.jsonl").readline())
     assert row["ppo/val/eos_rate"] >= 0.5 and row["rollout/logprob_diff_mean"] <= 1e-4
+
+
+def test_smollm2_plays_a_textarena_game_through_its_chat_template(smol, monkeypatch):
+    # one update of 4 TextArena games, 3 turns of at most 8 tokens. The action mask is rebuilt from the ChatML
+    # layout of the ids alone: an agent's turn starts after an "<|im_start|>assistant\n" header (the
+    # prompt's is before column 0) and runs to its own <|im_end|>, or 8 tokens, then the template's <|im_end|>
+    # opens the observation; the user turns, the headers and the padding are never the agent's
+    seen, real_backward = [], ppo.minibatch_backward
+    monkeypatch.setattr(ppo, "minibatch_backward", lambda policy, critic, rollout, *a, **k: (
+        seen.append(rollout), real_backward(policy, critic, rollout, *a, **k))[1])
+    shutil.rmtree("runs/test_smollm2_arena", ignore_errors=True)
+    ppo.main(ppo.Args(model=smol, env="textarena/GuessTheNumber-v0", max_turns=3, response_length=8,
+                      max_prompt_length=192, total_episodes=4, batch_size=4, micro_batch_size=2, num_ppo_epochs=1,
+                      learning_rate=1e-6, critic_learning_rate=1e-5, save_every=0, run_name="test_smollm2_arena"))
+    row = json.loads(open("runs/test_smollm2_arena/metrics.jsonl").readline())
+    assert row["ppo/policy/ratio_at_start"] < 1e-6
+    tok = AutoTokenizer.from_pretrained(smol)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    rollout, kinds = seen[0], set()
+    T = rollout.mask.shape[1]
+    for ids, mask in zip(rollout.query_responses[:, -T:].tolist(), rollout.mask.tolist()):
+        heads = [0] + [t + len(header) for t in range(T) if ids[t:t + len(header)] == header]
+        expected = [0] * T
+        for k, h in enumerate(heads):
+            stop = next((u for u in range(h, T) if ids[u] == end), T)  # the turn's <|im_end|>
+            if k + 1 < len(heads):
+                assert stop - h <= 8  # <|im_end|> ends every turn that another follows
+            n = min(stop + 1 - h, 8)
+            expected[h:h + n] = [1] * n  # its own <|im_end|> included; a template's after 8 tokens left out
+            kinds.add("sampled <|im_end|>" if stop - h < 8 else "cut at 8")
+        assert mask == expected
+    assert kinds == {"sampled <|im_end|>", "cut at 8"}  # (both kinds of turn occur in these 12)
