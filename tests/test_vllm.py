@@ -85,3 +85,16 @@ def test_two_ranks_each_feed_their_own_engine(world):
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)  # the largest gap on either rank
     assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)
     AutoModelForCausalLM.from_pretrained("runs/test_vllm_2ranks/policy")
+
+
+def test_a_lora_policy_is_pushed_merged(world):
+    # --lora-rank: the engine gets W + scale * B A after every update; its log-probs stay the trainer's while
+    # the adapters move the policy away from the base the engine was built from
+    shutil.rmtree("runs/test_vllm_lora", ignore_errors=True)
+    ppo.main(ppo.Args(vllm=True, lora_rank=8, learning_rate=1e-3, critic_learning_rate=1e-3, total_episodes=4 * 64,
+                      save_every=0, sample_every=0, run_name="test_vllm_lora"))
+    rows = [json.loads(line) for line in open("runs/test_vllm_lora/metrics.jsonl")]
+    assert len(rows) == 4 and all(r["rollout/logprob_diff_mean"] <= 2e-6 for r in rows)
+    ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11]])  # the adapters moved the policy (the saved one is merged)
+    moved = [AutoModelForCausalLM.from_pretrained(p).eval()(ids).logits for p in (world[0], "runs/test_vllm_lora/policy")]
+    assert (moved[0] - moved[1]).abs().max() > 1e-2

@@ -1,0 +1,124 @@
+"""LoRA (--lora-rank, peft): the reference is the policy's base with its adapters off, equal to a separately
+loaded frozen copy before and after updates; the base never moves; only adapters and the value head have
+optimizer states; the saved policy is the adapted one merged (W + scale * B A) and the adapter loads with
+PeftModel.from_pretrained; a killed run resumes exactly from its adapters; bad input gets one line."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+import ppo
+import toy
+
+FLAGS = dict(lora_rank=8, learning_rate=1e-3, critic_learning_rate=1e-3, total_episodes=3 * 64, save_every=1,
+             sample_every=0)
+
+
+@pytest.fixture(scope="module")
+def lora_run():
+    """Three in-process updates of the toy world with rank-8 adapters: the rollouts, and the models and
+    optimizers as the run left them."""
+    seen, kept = [], {}
+    real_backward, real_load, real_save = ppo.minibatch_backward, ppo.load_models, ppo.save_models
+
+    def load(*a, **k):
+        kept["models"] = real_load(*a, **k)
+        return kept["models"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ppo, "minibatch_backward", lambda policy, critic, rollout, *a, **k: (
+            seen.append(rollout), real_backward(policy, critic, rollout, *a, **k))[1])
+        m.setattr(ppo, "load_models", load)
+        shutil.rmtree("runs/test_lora", ignore_errors=True)
+        ppo.main(ppo.Args(run_name="test_lora", **FLAGS))
+    firsts = [r for i, r in enumerate(seen) if i == 0 or r is not seen[i - 1]]  # one rollout per update
+    return firsts, kept["models"]
+
+
+def frozen_copy():
+    return AutoModelForCausalLM.from_pretrained(toy.build_world()[0], dtype=torch.float32).eval()
+
+
+@pytest.mark.fast
+def test_the_reference_is_the_base_with_the_adapters_off(lora_run):
+    rollouts, models = lora_run
+    frozen = frozen_copy()
+    P = rollouts[0].query_responses.shape[1] - rollouts[0].mask.shape[1]
+    for rollout in rollouts:  # update 1 (adapters at B = 0) and the later ones (adapters trained)
+        with torch.no_grad():
+            expected = ppo.policy_logprobs(frozen, rollout.query_responses, rollout.attention_mask, P, 0.7)[0]
+        torch.testing.assert_close(rollout.ref_logprobs * rollout.mask, expected * rollout.mask, atol=1e-6, rtol=0)
+    last = rollouts[-1]
+    assert ((last.logprobs - last.ref_logprobs).abs() * last.mask).max() > 1e-2  # the adapters did move the policy
+    # the base never moves: every frozen weight is the checkpoint's, bit for bit
+    base = {k.replace(".base_layer.", "."): v for k, v in models.policy.state_dict().items() if ".lora_" not in k}
+    assert base.keys() == frozen.state_dict().keys()
+    assert all(torch.equal(v, frozen.state_dict()[k]) for k, v in base.items())
+    assert models.policy.peft_config["default"].lora_dropout == 0.0
+    assert not isinstance(models.ref_policy, type(models.policy))  # no second copy was loaded
+
+
+@pytest.mark.fast
+def test_only_the_adapters_and_the_value_head_have_optimizer_states(lora_run):
+    _, models = lora_run
+    state = torch.load("runs/test_lora/checkpoints/step_3/state.pt", weights_only=True)
+    policy_opt, critic_opt = (s["state"] for s in state["optimizers"])
+    lora = lambda m: [n for n, _ in m.named_parameters() if ".lora_" in n]  # noqa: E731
+    assert len(policy_opt) == len(lora(models.policy)) > 0
+    head = [n for n, _ in models.critic.seq_cls.score.named_parameters()]
+    assert len(critic_opt) == len(lora(models.critic.seq_cls)) + len(head)
+    # a checkpoint is small: the adapters, the value head and the states; resume reads the bases from --model
+    step = "runs/test_lora/checkpoints/step_3"
+    assert sorted(os.listdir(f"{step}/policy_adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not os.path.exists(f"{step}/critic") and "model.safetensors" not in os.listdir(f"{step}/policy")
+
+
+@pytest.mark.fast
+def test_the_saved_policy_is_the_adapted_one_merged(lora_run):
+    from peft import PeftModel
+    rollouts, models = lora_run
+    ids, am = rollouts[-1].query_responses, rollouts[-1].attention_mask
+    with torch.no_grad():
+        adapted = ppo.forward(models.policy, ids, am).logits
+        merged = ppo.forward(AutoModelForCausalLM.from_pretrained("runs/test_lora/policy").eval(), ids, am).logits
+        peft = PeftModel.from_pretrained(frozen_copy(), "runs/test_lora/policy_adapter").eval()
+        from_peft = ppo.forward(peft, ids, am).logits
+        values = models.critic(**dict(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)))
+        saved = ppo.ValueModel(AutoModelForSequenceClassification.from_pretrained("runs/test_lora/critic").eval())
+        saved_values = saved(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0))
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
+    torch.testing.assert_close(from_peft, adapted, atol=1e-5, rtol=0)
+    torch.testing.assert_close(saved_values, values, atol=1e-5, rtol=0)
+
+
+def test_a_killed_lora_run_resumes_exactly():
+    from test_resume import kill_at_checkpoint
+    flags = ["--lora-rank", "4", "--learning-rate", "1e-3", "--total-episodes", "192", "--save-every", "1"]
+    for run in ("test_lora_straight", "test_lora_resumed"):
+        shutil.rmtree(f"runs/{run}", ignore_errors=True)
+    subprocess.run([sys.executable, "ppo.py", "--run-name", "test_lora_straight", *flags], check=True,
+                   capture_output=True)
+    kill_at_checkpoint("test_lora_resumed", flags, 1)
+    subprocess.run([sys.executable, "ppo.py", "--run-name", "test_lora_resumed", "--resume", "auto", *flags],
+                   check=True, capture_output=True)
+    rows = [[{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "mem/"))}
+             for line in open(f"runs/{run}/metrics.jsonl")] for run in ("test_lora_straight", "test_lora_resumed")]
+    assert len(rows[0]) == 3 and rows[0] == rows[1]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("flags, message", [
+    (dict(lora_rank=-1), "--lora-rank must be >= 0"),
+    (dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha > 0"),
+    (dict(lora_rank=4, lora_targets="no_such_proj"), "--lora-targets no_such_proj: "),
+    (dict(lora_rank=4, lora_targets="q_proj,lm_head"), "adapts the output head"),
+    (dict(lora_rank=4, ref_model="toy"), "the reference is the policy's base"),
+    (dict(lora_rank=4, critic_init="scratch"), "--critic-init scratch with --lora-rank"),
+])
+def test_bad_lora_flags_get_one_line(flags, message):
+    with pytest.raises(ppo.UsageError, match=message):
+        ppo.main(ppo.Args(run_name="test_lora_bad", total_episodes=64, save_every=0, **flags))
