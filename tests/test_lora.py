@@ -5,8 +5,6 @@ PeftModel.from_pretrained; a killed run resumes exactly from its adapters; bad i
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -96,17 +94,11 @@ def test_the_saved_policy_is_the_adapted_one_merged(lora_run):
 
 
 def test_a_killed_lora_run_resumes_exactly():
-    from test_resume import kill_at_checkpoint
-    flags = ["--lora-rank", "4", "--learning-rate", "1e-3", "--total-episodes", "192", "--save-every", "1"]
-    for run in ("test_lora_straight", "test_lora_resumed"):
-        shutil.rmtree(f"runs/{run}", ignore_errors=True)
-    subprocess.run([sys.executable, "ppo.py", "--run-name", "test_lora_straight", *flags], check=True,
-                   capture_output=True)
-    kill_at_checkpoint("test_lora_resumed", flags, 1)
-    subprocess.run([sys.executable, "ppo.py", "--run-name", "test_lora_resumed", "--resume", "auto", *flags],
-                   check=True, capture_output=True)
+    from test_resume import straight_and_resumed
+    runs = straight_and_resumed("test_lora", ["--lora-rank", "4", "--learning-rate", "1e-3", "--total-episodes", "192",
+                                              "--save-every", "1"])
     rows = [[{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "mem/"))}
-             for line in open(f"runs/{run}/metrics.jsonl")] for run in ("test_lora_straight", "test_lora_resumed")]
+             for line in open(f"runs/{run}/metrics.jsonl")] for run in runs]
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 

@@ -390,19 +390,13 @@ def test_the_readmes_example_env_runs(tmp_path):
 def test_episodes_are_exact_through_a_kill_and_resume():
     """The env's seeds come from (seed, update, rank): a run killed after update 1 and resumed plays the
     episodes the straight run played, and logs its rows bit for bit."""
-    from test_resume import kill_at_checkpoint
+    from test_resume import straight_and_resumed
     flags = ["--env", "tests/envs.py:Replies", "--max-turns", "3", "--total-episodes", "48", "--batch-size", "16",
              "--save-every", "1", "--sample-every", "1"]
-    for run in ("test_env_straight", "test_env_resumed"):
-        shutil.rmtree(f"runs/{run}", ignore_errors=True)
-    subprocess.run([sys.executable, "ppo.py", "--run-name", "test_env_straight", *flags], check=True,
-                   capture_output=True)
-    kill_at_checkpoint("test_env_resumed", flags, 1)
-    subprocess.run([sys.executable, "ppo.py", "--run-name", "test_env_resumed", "--resume", "auto", *flags],
-                   check=True, capture_output=True)
+    runs = straight_and_resumed("test_env", flags)
     for name in ("metrics.jsonl", "samples.jsonl"):
         rows = [[{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "mem/"))}
-                 for line in open(f"runs/{run}/{name}")] for run in ("test_env_straight", "test_env_resumed")]
+                 for line in open(f"runs/{run}/{name}")] for run in runs]
         assert len(rows[0]) == {"metrics.jsonl": 3, "samples.jsonl": 12}[name] and rows[0] == rows[1], name
 
 

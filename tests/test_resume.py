@@ -30,6 +30,18 @@ def kill_at_checkpoint(run, flags, step):
     proc.wait(timeout=60)
 
 
+def straight_and_resumed(name, flags, step=1):
+    """The same ppo.py run twice: straight through, and SIGKILLed once its checkpoint of update `step` is in
+    place, then resumed. Returns the two run names (NAME_straight, NAME_resumed)."""
+    runs = (f"{name}_straight", f"{name}_resumed")
+    for run in runs:
+        shutil.rmtree(f"runs/{run}", ignore_errors=True)
+    subprocess.run([sys.executable, "ppo.py", "--run-name", runs[0], *flags], check=True, capture_output=True)
+    kill_at_checkpoint(runs[1], flags, step)
+    subprocess.run([sys.executable, "ppo.py", "--run-name", runs[1], "--resume", "auto", *flags], check=True,
+                   capture_output=True)
+    return runs
+
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(world, monkeypatch):
     calls = {"n": 0}
