@@ -1224,8 +1224,6 @@ def check_args(args, world):
     if args.lora_rank and args.critic_init == "scratch":
         fail("--critic-init scratch with --lora-rank: adapters on a frozen random base learn little; start the "
              "critic from the policy or the reward model")
-    if args.lora_rank and world > 1:
-        fail("--lora-rank under torchrun is not supported yet (FSDP2 with adapters): run on one process")
     sampler_filter = args.top_p != 1.0 or args.top_k != 0
     if sampler_filter and not args.keep_sampling_mask:
         fail("--top-p/--top-k make the sampled support differ from the softmax the trainer scores "
@@ -1622,18 +1620,28 @@ def lora_layers(model):
 
 def merged(named, layers):
     """(name, tensor) pairs of an adapted model as a plain checkpoint's: each adapted weight W + scale * B A
-    under its plain name, the adapters' own tensors left out; the rest as it is."""
+    under its plain name, the adapters' own tensors left out; the rest as it is. A and B are taken from the
+    pairs themselves, not from the layers (under FSDP2 those hold shards); a layer's W, A and B come one
+    after another, so no more than one layer's wait to be merged at a time."""
+    waiting = {}  # adapted layer -> the parts of W + scale * B A seen so far
     for name, value in named:
         owner, base, leaf = name.partition(".base_layer.")
-        if ".lora_" in name:
-            continue
-        if base and owner in layers:
-            layer = layers[owner]
-            if leaf == "weight":
-                delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # (out, in)
-                value = (value.float() + layer.scaling["default"] * delta.float()).to(value.dtype)
-            name = f"{owner}.{leaf}"
-        yield name, value
+        adapter = re.fullmatch(r"(.+)\.lora_([AB])\.default\.weight", name)
+        if base and owner in layers and leaf == "weight" or adapter and adapter[1] in layers:
+            owner, part = (owner, "W") if base else (adapter[1], adapter[2])
+            parts = waiting.setdefault(owner, {})
+            parts[part] = value
+            if len(parts) == 3:
+                del waiting[owner]
+                W, B, A = parts["W"], parts["B"], parts["A"]
+                delta = B.float() @ A.float()  # (out, in)
+                yield f"{owner}.weight", (W.float() + layers[owner].scaling["default"] * delta).to(W.dtype)
+        elif base and owner in layers:
+            yield f"{owner}.{leaf}", value  # the bias
+        elif ".lora_" not in name:
+            yield name, value
+    if waiting:
+        raise RuntimeError(f"merged: no W, A and B for {sorted(waiting)[:3]}")
 
 
 class AdaptersOff(nn.Module):
@@ -1659,11 +1667,12 @@ class AdaptersOff(nn.Module):
         return self.held[0].get_output_embeddings()
 
 
-def save_adapter(model, path, base_path, head=None):
-    """The adapters (and a trained head) in peft's format: PeftModel.from_pretrained(base, path) loads them."""
+def save_adapter(model, path, base_path, head=None, state=None):
+    """The adapters (and a trained head) of `state` (default: the model's own) in peft's format:
+    PeftModel.from_pretrained(base, path) loads them."""
     from safetensors.torch import save_file
     state = {"base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous()
-             for k, v in model.state_dict().items() if ".lora_" in k or (head and k.startswith(head + "."))}
+             for k, v in (state or model.state_dict()).items() if ".lora_" in k or (head and k.startswith(head + "."))}
     os.makedirs(path, exist_ok=True)
     save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(model.peft_config["default"])  # (what inject_adapter_in_model resolved)
@@ -1692,11 +1701,12 @@ def shard_models(models, args, device, world):
     if world > 1:
         m.policy = shard(m.policy, m.policy._no_split_modules or [])
         m.critic = m.critic and shard(m.critic, m.critic.seq_cls._no_split_modules or [])
-        if args.shard_frozen:
+        if args.shard_frozen and not args.lora_rank:  # (LoRA: the reference is the sharded policy, adapters off)
             m.ref_policy = shard(m.ref_policy, m.ref_policy._no_split_modules or [], args.offload_frozen)
+        if args.shard_frozen:
             m.reward_model = m.reward_model and shard(m.reward_model, m.reward_model.seq_cls._no_split_modules or [],
                                                       args.offload_frozen)
-    frozen = [x for x in (m.ref_policy, m.reward_model) if x]  # never trained
+    frozen = [x for x in (m.ref_policy, m.reward_model) if x and not isinstance(x, AdaptersOff)]  # never trained
     # --offload-frozen: whole frozen models are moved onto the device for phase 3 and back; sharded ones
     # were given FSDP2's CPU offload above and stay put
     m.swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []
@@ -2473,7 +2483,8 @@ def save_models(path, models, as_stored=False, adapters_only=False):
                 continue
             if lora_layers(model):  # LoRA: the adapters in peft's format (what resume reads), and unless
                 # adapters_only a plain checkpoint of W + scale * B A beside them (vllm serve, from_pretrained)
-                save_adapter(model, os.path.join(path, f"{name}_adapter"), base, "score" if name == "critic" else None)
+                save_adapter(model, os.path.join(path, f"{name}_adapter"), base, "score" if name == "critic" else None,
+                             state)  # (under FSDP2: the gathered state; the model holds shards)
                 if adapters_only:
                     continue
                 state = dict(merged((state or model.state_dict()).items(), lora_layers(model)))

@@ -27,10 +27,11 @@ def torchrun(n, *cmd):
 
 
 @pytest.mark.fast
-def test_two_ranks_update_equals_one_process(world, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_ranks_update_equals_one_process(world, tmp_path, lora):
     results = {}
     for n in (1, 2):
-        out = torchrun(n, "tests/fsdp_update.py", str(tmp_path / f"w{n}.pt"))
+        out = torchrun(n, "tests/fsdp_update.py", str(tmp_path / f"w{n}.pt"), *["--lora"] * lora)
         assert out.returncode == 0, out.stderr[-3000:]
         results[n] = torch.load(tmp_path / f"w{n}.pt", weights_only=True)
     torch.testing.assert_close(results[2]["advantages"], results[1]["advantages"], atol=1e-6, rtol=0)
@@ -40,8 +41,12 @@ def test_two_ranks_update_equals_one_process(world, tmp_path):
     tokens = 32 * 12  # two half-sums and an all-reduce instead of one sum over the minibatch's tokens (at most)
     for k in one:  # measured: at most 6e-8 apart (largest |g| 0.67), on AVX2 and AVX-512 alike
         assert_close_fp32(two[k], one[k], tokens, msg=k)
-    initial = AutoModelForCausalLM.from_pretrained(world[0]).state_dict()
-    moved = max((results[1]["policy"][k] - initial[k]).abs().max().item() for k in initial)
+    if lora:  # the adapters and the value head alone have gradients; B starts at 0, so moving B is the update
+        assert all(".lora_" in k or ".score." in k for k in one) and any(".score." in k for k in one)
+        moved = max(v.abs().max().item() for k, v in results[1]["policy"].items() if ".lora_B." in k)
+    else:
+        initial = AutoModelForCausalLM.from_pretrained(world[0]).state_dict()
+        moved = max((results[1]["policy"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-4  # the update did something
     for model in ("policy", "critic"):
         one, two = results[1][model], results[2][model]
@@ -142,3 +147,29 @@ def test_two_ranks_with_a_token_budget_step_together(world):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in open("runs/test_fsdp_budget/metrics.jsonl")]
     assert len(rows) == 3 and all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)
+
+
+def test_two_rank_lora_run_resumes_exactly_and_saves_its_adapters(world):
+    # FSDP2 with adapters: the sharded optimizers hold the adapters' and the value head's states alone, a
+    # resume from update 1's checkpoint (adapters, heads, states; the bases from --model) gives the same rows,
+    # and the saved merged policy is the saved adapter on the base, gathered from the shards
+    from peft import PeftModel
+    flags = ["--lora-rank", "4", "--learning-rate", "1e-3", "--save-every", "1", "--keep-checkpoints", "3"]
+    straight, _ = two_rank_run("test_fsdp_lora", *flags)
+    out = torchrun(2, "ppo.py", "--run-name", "test_fsdp_lora", "--total-episodes", "192", "--micro-batch-size", "16",
+                   *flags, "--resume", "runs/test_fsdp_lora/checkpoints/step_1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = [json.loads(line) for line in open("runs/test_fsdp_lora/metrics.jsonl")]
+    assert [r["step"] for r in resumed] == [1, 2, 3] and without_timings(resumed) == without_timings(straight)
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in straight)
+    state = torch.load("runs/test_fsdp_lora/checkpoints/step_3/state.pt", weights_only=True)
+    policy_opt, critic_opt = (s["state"] for s in state["optimizers"])
+    assert all(".lora_" in k for k in policy_opt) and all(".lora_" in k or ".score." in k for k in critic_opt)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(world[0])
+        ids = torch.randint(0, base.config.vocab_size, (4, 12))
+        merged = AutoModelForCausalLM.from_pretrained("runs/test_fsdp_lora/policy")(ids).logits
+        before = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, "runs/test_fsdp_lora/policy_adapter")(ids).logits  # (in place)
+    assert_close_fp32(merged, adapted, 256)  # (the toy's longest sum: its MLP's 256 units)
+    assert (merged - before).abs().max() > 1e-3  # the adapters trained

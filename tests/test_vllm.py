@@ -77,12 +77,15 @@ def test_toy_run_through_vllm_reaches_the_gold_target(world):
     assert gold[0] <= 0.5 and np.mean(gold[-len(gold) // 10:]) >= 0.8, gold
 
 
-def test_two_ranks_each_feed_their_own_engine(world):
+@pytest.mark.parametrize("flags", [[], ["--lora-rank", "8", "--learning-rate", "1e-3"]], ids=["full", "lora"])
+def test_two_ranks_each_feed_their_own_engine(world, flags):
     # torchrun --vllm: an engine per rank, fed the weights gathered from the FSDP shards after every
-    # update; an engine left stale shows a log-prob gap of 0.27 and 0.35 at updates 2 and 3 here
-    rows, _ = test_fsdp.two_rank_run("test_vllm_2ranks", "--vllm")
+    # update (LoRA: W + scale * B A, A and B gathered too); an engine left stale shows a log-prob gap of
+    # 0.27 and 0.35 at updates 2 and 3 here
+    rows, _ = test_fsdp.two_rank_run("test_vllm_2ranks", "--vllm", *flags)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)  # the largest gap on either rank
+    assert all(r["rollout/logprob_diff_mean"] <= 2e-6 for r in rows)
     assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)
     AutoModelForCausalLM.from_pretrained("runs/test_vllm_2ranks/policy")
 
