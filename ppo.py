@@ -261,6 +261,11 @@ class Args:
     its learning rate ("LoRA Without Regret", Thinking Machines 2025)"""
     lora_alpha: float = 32.0
     """LoRA's scale is alpha / rank (32: LoRA Without Regret's, for every rank)"""
+    lora_base_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """the adapted layers' frozen weights. bf16 halves the bases' memory (what lets a 7B policy and its critic
+    fit one 80 GB GPU: README, LoRA) and changes no number, since bf16 autocast rounds a linear layer's
+    weights to bf16 before its matmul anyway; embeddings, norms and the head stay fp32. auto = bf16 where
+    the forwards run in bf16 (--precision) on one process, else fp32 (FSDP2 shards one dtype per layer)"""
     lora_targets: str = "all-linear"
     """the modules that get adapters: peft's all-linear (every linear layer but the output head, MLP
     included) or module names, comma-separated (q_proj,v_proj)"""
@@ -1221,6 +1226,12 @@ def check_args(args, world):
              f"--adv-estimator {args.adv_estimator} has none (use --adv-estimator gae)")
     if args.lora_rank and args.ref_model:
         fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
+    bf16_forwards = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available())
+    if args.lora_base_dtype == "auto":
+        args.lora_base_dtype = "bf16" if args.lora_rank and bf16_forwards and world == 1 else "fp32"
+    if args.lora_base_dtype == "bf16" and not (args.lora_rank and bf16_forwards and world == 1):
+        fail("--lora-base-dtype bf16 needs --lora-rank, forwards in bf16 (--precision bf16) and one process (FSDP2 "
+             "shards one dtype per layer): use --lora-base-dtype fp32")
     if args.lora_rank and args.critic_init == "scratch":
         fail("--critic-init scratch with --lora-rank: adapters on a frozen random base learn little; start the "
              "critic from the policy or the reward model")
@@ -1533,6 +1544,9 @@ def load_models(args, resume_dir, device, log):
     if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy)):
         log(f"{type(policy).__name__} transforms its logits after the head: log-probs from all the logits at once")
         args.logprob_chunk = 0  # (so config.json says what runs)
+    if args.lora_base_dtype == "bf16":  # (after the head check, whose forward runs without autocast)
+        for model in [m for m in (policy, critic and critic.seq_cls) if m is not None]:
+            bf16_bases(model)
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model = reward_model and reward_model.to(frozen_device)
     ref_policy = ref_policy.to(frozen_device)
@@ -1607,6 +1621,13 @@ def add_lora(model, args, flag, head=None):
     for name, p in model.named_parameters():
         p.requires_grad = ".lora_" in name or (head is not None and name.startswith(head + "."))
     return model
+
+
+def bf16_bases(model):
+    """--lora-base-dtype bf16: the adapted layers' frozen weights and biases in bf16, in place. Under bf16
+    autocast a linear layer casts them to bf16 before its matmul anyway: the same numbers in half the memory."""
+    for layer in lora_layers(model).values():
+        layer.get_base_layer().to(torch.bfloat16)
 
 
 def lora_layers(model):

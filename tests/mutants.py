@@ -217,6 +217,8 @@ MUTANTS = [
     ("lora-base-trained", "ppo.py", 'p.requires_grad = ".lora_" in name or', "p.requires_grad = True or"),
     ("lora-dropout-on", "ppo.py", "lora_alpha=args.lora_alpha, lora_dropout=0.0,",
      "lora_alpha=args.lora_alpha, lora_dropout=0.1,"),
+    ("lora-bf16-base-casts-the-whole-model", "ppo.py", "layer.get_base_layer().to(torch.bfloat16)",
+     "model.to(torch.bfloat16)"),
     ("gae-ablation-flag-ignored", "ppo.py", "if not args.gae_across_observations:", "if False:"),
     ("textarena-echoes-the-agents-move", "ppo.py",
      'for sender, message, _ in new if sender == ta.GAME_ID)', 'for sender, message, _ in new)'),

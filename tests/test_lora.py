@@ -107,6 +107,30 @@ def test_a_killed_lora_run_resumes_exactly():
 
 
 @pytest.mark.fast
+def test_bf16_bases_change_no_number_under_bf16_autocast(world):
+    # --lora-base-dtype bf16: autocast rounds each linear layer's weights to bf16 before its matmul anyway, so
+    # the run's rows are those of fp32 bases, bit for bit; only the adapted layers' W and bias are bf16
+    kept, rows = {}, {}
+    real_load = ppo.load_models
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ppo, "load_models", lambda *a, **k: kept.setdefault("models", real_load(*a, **k)))
+        for dtype in ("fp32", "bf16"):
+            kept.clear()
+            shutil.rmtree(f"runs/test_lora_{dtype}", ignore_errors=True)
+            ppo.main(ppo.Args(run_name=f"test_lora_{dtype}", precision="bf16", lora_base_dtype=dtype,
+                              **{**FLAGS, "save_every": 0}))
+            rows[dtype] = [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "mem/"))}
+                           for line in open(f"runs/test_lora_{dtype}/metrics.jsonl")]
+    assert len(rows["bf16"]) == 3 and rows["bf16"] == rows["fp32"]
+    assert rows["bf16"][-1]["objective/kl"] != 0  # the adapters moved the policy off its base
+    for model in (kept["models"].policy, kept["models"].critic.seq_cls):
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        assert {d for n, d in dtypes.items() if ".base_layer." in n} == {torch.bfloat16}
+        assert {d for n, d in dtypes.items() if ".base_layer." not in n} == {torch.float32}  # adapters, embeddings,
+        assert any("norm" in n for n in dtypes) and any("embed" in n for n in dtypes)  # norms, the heads
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("flags, message", [
     (dict(lora_rank=-1), "--lora-rank must be >= 0"),
     (dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha > 0"),
@@ -114,6 +138,8 @@ def test_a_killed_lora_run_resumes_exactly():
     (dict(lora_rank=4, lora_targets="q_proj,lm_head"), "adapts the output head"),
     (dict(lora_rank=4, ref_model="toy"), "the reference is the policy's base"),
     (dict(lora_rank=4, critic_init="scratch"), "--critic-init scratch with --lora-rank"),
+    (dict(lora_rank=4, lora_base_dtype="bf16", precision="fp32"), "--lora-base-dtype bf16 needs"),
+    (dict(lora_base_dtype="bf16", precision="bf16"), "--lora-base-dtype bf16 needs --lora-rank"),
 ])
 def test_bad_lora_flags_get_one_line(flags, message):
     with pytest.raises(ppo.UsageError, match=message):
