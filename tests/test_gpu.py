@@ -3,7 +3,7 @@ on a GPU machine): the default toy run in bf16 end to end; two updates of a Qwen
 model of 0.5B parameters (Qwen2.5-0.5B's shape: hidden 896, 24 layers, vocabulary 151,936) with a
 random-init reward model, micro-batches and gradient checkpointing; the same checkpoints stored in bf16
 training with fp32 weights and AdamW states; --offload-frozen lowering the peak allocated memory by about
-the frozen models' bytes. Figures go to $GPU_CHECK_JSON when it is set.
+the frozen models' bytes; LoRA rank 16 with bf16 bases against full PPO on the 0.5B shape. Figures go to $GPU_CHECK_JSON when it is set.
 
     python tests/test_gpu.py          # only builds the 0.5B checkpoints under runs/gpu/ (bench.py uses them too)
 """
@@ -128,6 +128,22 @@ def test_offload_frozen_lowers_peak_memory():
     frozen_mb = 2 * n_params * 4 / 2**20  # the reference and the reward model (about the same size), fp32
     report("offload_frozen", dict(peak_kept_mb=kept, peak_offloaded_mb=offloaded, frozen_mb=frozen_mb))
     assert kept - offloaded > 0.5 * frozen_mb
+
+
+def test_lora_with_bf16_bases_lowers_peak_memory():
+    """--lora-rank 16 on the 0.5B shape, the bases in bf16 (auto on a GPU): one update against full PPO.
+    No reference copy, no AdamW states but the adapters' and the value head's, half the bases' bytes."""
+    policy, reward, prompts = build()
+    flags = dict(QWEN_FLAGS, total_episodes=32, model=policy, reward_model=reward, dataset=prompts)
+    full, full_wall = run("gpu_full", **flags)
+    lora, lora_wall = run("gpu_lora", lora_rank=16, learning_rate=1e-5, **flags)
+    config = json.load(open("runs/gpu_lora/config.json"))
+    report("lora_r16", dict(peak_full_mb=full[0]["mem/peak_mb"], peak_lora_mb=lora[0]["mem/peak_mb"],
+                            ratio=lora[0]["mem/peak_mb"] / full[0]["mem/peak_mb"], base_dtype=config["lora_base_dtype"],
+                            s_per_update_full=full_wall, s_per_update_lora=lora_wall,
+                            kl_update1=lora[0]["objective/kl"], ratio_at_start=lora[0]["ppo/policy/ratio_at_start"]))
+    assert config["lora_base_dtype"] == "bf16" and lora[0]["objective/kl"] == 0
+    assert lora[0]["ppo/policy/ratio_at_start"] < 1e-3 and lora[0]["mem/peak_mb"] < 0.6 * full[0]["mem/peak_mb"]
 
 
 if __name__ == "__main__":
