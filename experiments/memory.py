@@ -164,6 +164,8 @@ def build_slice(size, layers):
         policy = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         critic = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
     fill(policy, tile)
+    if cfg.tie_word_embeddings:  # to_empty gave the head a parameter of its own: tie it again
+        policy.lm_head.weight = policy.model.embed_tokens.weight
     policy.model.rotary_emb = Qwen2RotaryEmbedding(config=policy.config)  # its buffers, computed again
     critic.model = policy.model
     fill(critic.score, tile)
@@ -393,77 +395,142 @@ def per_token(m, name):
     return r
 
 
+def fit(usable, fixed, per_tok, tokens, step):
+    """Peak at `tokens` tokens (the larger of the backward's and the optimizer step's), whether it fits,
+    and the most tokens per micro-batch that fit (0: none)."""
+    peak = max(fixed + per_tok * tokens, step)
+    most = int((usable - fixed) // per_tok) if step <= usable and fixed < usable else 0
+    return dict(peak=peak, fits=peak <= usable, tokens_that_fit=max(most, 0))
+
+
 def table_columns(size, c, m):
     """Bytes of every row of the table for one size, full and LoRA."""
-    tokens = ROWS * ROW_TOKENS
+    tokens, usable = ROWS * ROW_TOKENS, (1 - MARGIN) * GPU_BYTES
     L = c["layers"]
-    states = state_bytes(c)
     cols = {}
-    for mode, state in zip(("full", "lora"), states):
+    for mode, state in zip(("full", "lora"), state_bytes(c)):
         res = m[mode]
         pt = {name: per_token(res, name) for name in ("policy", "critic")}
         act_tok = sum(p["rest"] + L * p["per_layer"] for p in pt.values())  # bytes per token, both models
         copies = sum(p["weight_copies_rest"] + L * p["weight_copies_per_layer"] for p in pt.values())
         bwd = [res[f"{n}_backward"]["bytes"] for n in ("policy", "critic") if isinstance(res[f"{n}_backward"], dict)]
-        transient = max(bwd) if len(bwd) == 2 else None
-        adam = m["adamw_bytes_per_trained_param"]
-        trained = (max(c["policy"], c["critic"]) if mode == "full" else c["lora"] + c["score"])
+        transient = max(bwd) if len(bwd) == 2 else 0  # (the larger of the two: they come one after the other)
+        trained = max(c["policy"], c["critic"]) if mode == "full" else c["lora"] + c["score"]  # the larger optimizer
+        adam = m["adamw_bytes_per_trained_param"] * trained
         weights = sum(state.values())
-        backward_peak = weights + act_tok * tokens + copies + (transient or 0)
-        step_peak = weights + adam * trained
-        peak = max(backward_peak, step_peak)
-        vllm = 2 * c["policy"]
-        cols[mode] = dict(state=state, weights_and_states=weights, activation_bytes_per_token=act_tok,
-                          per_token=pt, activations=act_tok * tokens, weight_copies=copies,
-                          backward_transient=transient, backward_peak=backward_peak,
-                          adamw_transient=adam * trained, step_peak=step_peak, peak=peak,
-                          fits=peak <= (1 - MARGIN) * GPU_BYTES, vllm_weights=vllm,
-                          fits_with_vllm=peak + vllm <= (1 - MARGIN) * GPU_BYTES,
-                          tokens_that_fit=int(((1 - MARGIN) * GPU_BYTES - max(step_peak, weights + copies
-                                                                               + (transient or 0))) // act_tok))
+        col = cols[mode] = dict(state=state, weights_and_states=weights, per_token=pt,
+                                activation_bytes_per_token=act_tok, activations=act_tok * tokens,
+                                weight_copies=copies, backward_transient=transient if len(bwd) == 2 else None,
+                                adamw_transient=adam, step_peak=weights + adam, vllm_weights=2 * c["policy"])
+        col["backward_peak"] = weights + copies + transient + act_tok * tokens
+        col.update(fit(usable, weights + copies + transient, act_tok, tokens, weights + adam))
+        col["fits_with_vllm"] = col["peak"] + col["vllm_weights"] <= usable
+        # --offload-frozen: the reference and the reward model in host memory during the update
+        off = weights - state["reference"] - state["reward_model"]
+        col["offload_frozen"] = fit(usable, off + copies + transient, act_tok, tokens, off + adam)
+        # --gradient-checkpointing, estimated (not measured): each layer keeps its fp32 input (4 H B/token) and
+        # the backward recomputes one layer at a time (its activations and weight copies, the policy's)
+        ck_tok = sum(p["rest"] + L * 4 * c["hidden"] for p in pt.values()) + pt["policy"]["per_layer"]
+        ck_fixed = sum(p["weight_copies_rest"] for p in pt.values()) + pt["policy"]["weight_copies_per_layer"] + transient
+        col["checkpointing_estimate"] = dict(bytes_per_token=ck_tok, **fit(usable, weights + ck_fixed, ck_tok, tokens,
+                                                                           weights + adam))
+        col["offload_and_checkpointing_estimate"] = fit(usable, off + ck_fixed, ck_tok, tokens, off + adam)
     return cols
 
 
 def markdown(columns, counts):
     sizes = list(columns)
-    head = "| " + " | ".join(["at 8 x 1,024 tokens per micro-batch, GB"] + [f"{s} {k}" for s in sizes
-                                                                           for k in ("full", "LoRA")]) + " |"
-    lines = [head, "|---" + "|---:" * (2 * len(sizes)) + "|"]
+    cells = [(s, k) for s in sizes for k in ("full", "lora")]
+    head = f"| at {ROWS} x {ROW_TOKENS:,} tokens per micro-batch, GB | " + " | ".join(
+        f"{s} {'full' if k == 'full' else 'LoRA'}" for s, k in cells) + " |"
+    lines = [head, "|---" + "|---:" * len(cells) + "|"]
 
-    def row(label, get, fmt=lambda v: f"{v / GB:.1f}"):
-        cells = [fmt(get(columns[s][k], s)) for s in sizes for k in ("full", "lora")]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    row("parameters (policy)", lambda col, s: counts[s]["policy"], lambda v: f"{v / 1e9:.2f}B")
-    row("policy (full: 16 B/param; LoRA: bf16/fp32 base + 16 B/adapter param)", lambda col, s: col["state"]["policy"])
-    row("critic (likewise; LoRA: its own base, value head trained)", lambda col, s: col["state"]["critic"])
-    row("reference (frozen: linear bf16, rest fp32; LoRA: none)", lambda col, s: col["state"]["reference"])
+    def gb(v):
+        return f"{v / GB:.1f}"
+
+    def peak(f):
+        return f"{f['peak'] / GB:.1f} yes" if f["fits"] else f"**{f['peak'] / GB:.1f} no**"
+
+    def row(label, get, fmt=gb):
+        lines.append(f"| {label} | " + " | ".join(fmt(get(columns[s][k], s)) for s, k in cells) + " |")
+    row("parameters of the policy", lambda col, s: counts[s]["policy"], lambda v: f"{v / 1e9:.2f}B")
+    row("policy (full: 16 B/param; LoRA: frozen base + adapters at 16 B)", lambda col, s: col["state"]["policy"])
+    row("critic (full: 16 B/param; LoRA: its own base + adapters, value head)", lambda col, s: col["state"]["critic"])
+    row("reference (frozen; LoRA: the policy, adapters off)", lambda col, s: col["state"]["reference"])
     row("reward model (frozen)", lambda col, s: col["state"]["reward_model"])
     row("**weights and optimizer states**", lambda col, s: col["weights_and_states"])
-    row("activations, policy + critic (measured per token)", lambda col, s: col["activations"])
+    row("activations, policy + critic (measured)", lambda col, s: col["activations"])
     row("bf16 weight copies saved for the backward (measured)", lambda col, s: col["weight_copies"])
-    row("backward transient, head chunks (measured on 1 layer)",
-        lambda col, s: col["backward_transient"], lambda v: "n/a" if v is None else f"{v / GB:.1f}")
-    row("**peak in the backward**", lambda col, s: col["backward_peak"])
-    row("AdamW step: states + foreach temporaries", lambda col, s: col["step_peak"])
-    row("**peak**", lambda col, s: col["peak"])
-    row(f"fits in {(1 - MARGIN) * GPU_BYTES / GB:.0f} GB (80 GB less {MARGIN:.0%})", lambda col, s: col["fits"],
-        lambda v: "yes" if v else "**no**")
-    row("tokens per micro-batch that fit", lambda col, s: col["tokens_that_fit"],
-        lambda v: f"{v:,}" if v > 0 else "none")
-    row("+ vLLM engine's bf16 policy (weights, no KV cache)", lambda col, s: col["vllm_weights"])
-    row("fits with it", lambda col, s: col["fits_with_vllm"], lambda v: "yes" if v else "**no**")
-    lines.append("")
-    lines.append("| activation bytes per token | " + " | ".join(f"{s} {k}" for s in sizes for k in ("full", "LoRA"))
-                 + " |")
-    lines.append("|---" + "|---:" * (2 * len(sizes)) + "|")
+    row("backward transient, head chunks (measured, 1 layer)", lambda col, s: col["backward_transient"],
+        lambda v: "n/a" if v is None else gb(v))
+    row("AdamW step: states + foreach temporary (measured)", lambda col, s: col["step_peak"])
+    row(f"**peak; fits in {(1 - MARGIN) * GPU_BYTES / GB:.0f} GB (80 GB less {MARGIN:.0%})?**",
+        lambda col, s: col, peak)
+    row("tokens per micro-batch that fit", lambda col, s: col["tokens_that_fit"], lambda v: f"{v:,}" if v else "none")
+    row("+ vLLM engine's bf16 policy (weights only, no KV cache)", lambda col, s: col["vllm_weights"])
+    row("peak with it; fits?", lambda col, s: dict(peak=col["peak"] + col["vllm_weights"], fits=col["fits_with_vllm"]),
+        peak)
+    row("peak with --offload-frozen; fits?", lambda col, s: col["offload_frozen"], peak)
+    row("peak with --gradient-checkpointing (estimate); fits?", lambda col, s: col["checkpointing_estimate"], peak)
+    row("peak with both (estimate); fits?", lambda col, s: col["offload_and_checkpointing_estimate"], peak)
+    row("tokens that fit with both (estimate)", lambda col, s: col["offload_and_checkpointing_estimate"]["tokens_that_fit"],
+        lambda v: f"{v:,}" if v else "none")
+    lines += ["", "| activation bytes per token (measured) | " + " | ".join(
+        f"{s} {'full' if k == 'full' else 'LoRA'}" for s, k in cells) + " |", "|---" + "|---:" * len(cells) + "|"]
     for label, get in (("policy, per layer", lambda col: col["per_token"]["policy"]["per_layer"]),
-                       ("policy, rest (embedding, head chunks, loss)", lambda col: col["per_token"]["policy"]["rest"]),
+                       ("policy, rest (embedding, mask, head chunks, loss)", lambda col: col["per_token"]["policy"]["rest"]),
                        ("critic, per layer", lambda col: col["per_token"]["critic"]["per_layer"]),
                        ("critic, rest", lambda col: col["per_token"]["critic"]["rest"]),
-                       ("both, whole depth", lambda col: col["activation_bytes_per_token"])):
-        lines.append(f"| {label} | " + " | ".join(f"{get(columns[s][k]):,.0f}" for s in sizes
-                                                   for k in ("full", "lora")) + " |")
+                       ("policy + critic, all layers", lambda col: col["activation_bytes_per_token"])):
+        lines.append(f"| {label} | " + " | ".join(f"{get(columns[s][k]):,.0f}" for s, k in cells) + " |")
     return "\n".join(lines)
+
+
+def findings(measured, counts, columns):
+    """What the measurements say beyond the table, with their numbers, and what a CPU cannot tell."""
+    out = []
+    for s, m in measured.items():
+        pol = columns[s]["full"]["per_token"]["policy"]
+        heads = SIZES[s]["num_attention_heads"]
+        out.append(
+            f"{s}: attention {m['attn_implementation']}; bytes per token grow by {pol['quadratic_bytes_per_T2']:.1f} B "
+            f"x T per row between T = {LENGTHS[0]}-{LENGTHS[1]} and {LENGTHS[1]}-{CHECK_LENGTH} (the bf16 (b, 1, T, T) "
+            f"padding mask, saved once for all layers), no (heads, T, T) probabilities; eager attention saves "
+            f"{m['full']['critic_1layer_eager_quadratic_bytes_per_T2']:.0f} B x T per token per layer "
+            f"({m['full']['critic_1layer_eager_quadratic_bytes_per_T2'] / heads:.0f} B per head: fp32 softmax and "
+            f"its bf16 copy), {m['full']['critic_1layer_eager_quadratic_bytes_per_T2'] * ROW_TOKENS / 1e3:,.0f} KB "
+            f"per token per layer at {ROW_TOKENS:,}-token rows.")
+        c = counts[s]
+        out.append(
+            f"{s}: the head's empty-input call (the pre-hook that lets the head run on nothing) still saves a bf16 "
+            f"copy of the head weight, {columns[s]['full']['per_token']['policy']['weight_copies_rest']:,} B "
+            f"(2 x V x H = {2 * c['vocab'] * c['hidden']:,}), with LoRA too (the frozen head's input needs a gradient); "
+            f"the LoRA backward's transient ({m['lora']['policy_backward']['bytes'] / GB:.2f} GB, against "
+            f"{m['full']['policy_backward']['bytes'] / GB:.2f} GB full) is mostly the frozen head weight's gradient, "
+            f"which `HeadLogprobs.backward` computes and autograd then drops. Generation's bf16 KV cache: "
+            f"{2 * c['layers'] * SIZES[s]['num_key_value_heads'] * c['hidden'] // SIZES[s]['num_attention_heads'] * 2:,} "
+            f"B per token.")
+    out += [
+        "Not measurable here: a GPU's attention kernels (flash / memory-efficient SDPA save the output and a "
+        "logsumexp per row and head, as the CPU flash kernel measured here does; a math fallback would save "
+        "the T x T probabilities, see the eager figure); the caching allocator's reserved-but-unused blocks "
+        "and fragmentation; the CUDA context (about 0.5-1 GB) and cuBLAS / cuDNN workspaces; NCCL buffers; "
+        "the vLLM engine's KV cache (whatever share --vllm-gpu-memory-utilization gives it).",
+        "Transients are live tensor bytes counted by a dispatch mode on 1-layer slices at 256 tokens: the "
+        "head's chunk transient does not grow with depth; it is added here to every activation of both "
+        "models and every weight copy, an upper bound (it comes at one moment of the backward, when some of "
+        "them may already be freed).",
+        "The rollout phase is not in the table: generation's KV cache (2 x layers x kv heads x head dim x 2 B per "
+        "token in bf16) and the no-grad passes of all four models; the update's peak is what the table shows.",
+        "Activation bytes per token count every token as a response token (the head's chunks run on response "
+        "tokens only) and hold for any rows x tokens split; the T x T mask term adds 2 x T B per token.",
+        "ppo.py today loads every model in fp32 (README: a bf16 frozen base is not there yet): the frozen rows "
+        "would be 4 B/param, and an fp32 frozen base under autocast also saves a bf16 copy of every adapted "
+        "weight for the backward (as the full-PPO row of weight copies does).",
+        "The --gradient-checkpointing rows are estimates, not measurements: 4 H B/token per layer (each "
+        "layer's fp32 input) plus one layer's measured activations recomputed in the backward.",
+    ]
+    return out
 
 
 def main():
@@ -493,13 +560,15 @@ def main():
         assert measured[s]["lora_params_per_layer_measured"] == counts[s]["layer_lora"], s
         columns[s] = table_columns(s, counts[s], measured[s])
     md = markdown(columns, counts)
+    notes = findings(measured, counts, columns)
     print(md)
+    print("\n" + "\n".join(f"- {n}" for n in notes))
     result = dict(
         setup=dict(rows=ROWS, row_tokens=ROW_TOKENS, tokens=ROWS * ROW_TOKENS, lora_rank=RANK, lengths=LENGTHS,
                    check_length=CHECK_LENGTH, prompt=PROMPT, pad=PAD, gpu_bytes=GPU_BYTES, margin=MARGIN,
                    torch=torch.__version__, autocast="cpu bf16", gradient_checkpointing=False,
                    logprob_chunk=ppo.Args().logprob_chunk, threads=torch.get_num_threads()),
-        parameters=counts, adamw=adam, measured=measured, table=columns, markdown=md,
+        parameters=counts, adamw=adam, measured=measured, table=columns, markdown=md, findings=notes,
         seconds=time.perf_counter() - t0)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1, default=str)
