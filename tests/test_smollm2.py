@@ -101,7 +101,9 @@ def test_smollm2_plays_a_textarena_game_through_its_chat_template(smol, monkeypa
                       max_prompt_length=192, total_episodes=4, batch_size=4, micro_batch_size=2, num_ppo_epochs=1,
                       learning_rate=1e-6, critic_learning_rate=1e-5, save_every=0, run_name="test_smollm2_arena"))
     row = json.loads(open("runs/test_smollm2_arena/metrics.jsonl").readline())
-    assert row["ppo/policy/ratio_at_start"] < 1e-6
+    # fp32 rounding through 30 layers, rollout and training passes in other batch shapes: below 1e-6 on one
+    # CI run, 1.86e-6 on the next (a 1e-3 disagreement is what a wrong mask or position gives)
+    assert row["ppo/policy/ratio_at_start"] < 1e-5
     tok = AutoTokenizer.from_pretrained(smol)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
