@@ -194,15 +194,23 @@ class Args:
     minibatch); None = a rank's whole share of the minibatch"""
     micro_batch_tokens: Optional[int] = None
     """instead: micro-batches packed from rows sorted by length, each at most this many padded tokens"""
-    clip_eps: float = 0.2
-    """policy ratio clip (N+: 0.2)"""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """the policy objective: ppo clips each token's ratio; gspo clips each response's ratio, the geometric mean
+    of its tokens' (Zheng et al. 2025); cispo clips the importance weight instead, detached, and weighs the
+    log-prob's gradient with it, so no token loses its gradient (MiniMax-M1, 2025)"""
+    clip_eps: Optional[float] = None
+    """policy ratio clip (None: 0.2, N+; 3e-4 with --policy-loss gspo, the GSPO paper's)"""
     clip_eps_high: Optional[float] = None
-    """asymmetric clip: the upper bound 1 + clip_eps_high (DAPO: 0.28; None = --clip-eps)"""
+    """asymmetric clip: the upper bound 1 + clip_eps_high (DAPO: 0.28; None = --clip-eps; 4e-4 with gspo)"""
     dual_clip: Optional[float] = None
     """dual clip for negative advantages: the loss is at most -c * A (Ye et al. 2020: c = 3; None = off)"""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"] = "token-mean"
+    cispo_cap: float = 5.0
+    """--policy-loss cispo: the importance weight's upper bound, with no lower one (ScaleRL and TRL use 5; the
+    MiniMax-M1 paper tunes only an upper bound)"""
+    loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]] = None
     """how tokens count in the policy loss: each token the same; each response the same; or summed per
-    response and divided by a constant, --response-length (Dr. GRPO's fix for the length bias)"""
+    response and divided by a constant, --response-length (Dr. GRPO's fix for the length bias). None: token-mean;
+    seq-mean-token-mean with gspo, whose ratio is one per response (veRL forces it)"""
     target_kl: Optional[float] = None
     """stop this update's epochs once a minibatch's approx-KL, N+'s mean 0.5 logratio^2, exceeds this (after CleanRL,
     which stops after the epoch, on the k3 estimate; None = off)"""
@@ -325,6 +333,11 @@ class Args:
     """evaluate greedy responses instead of samples at --temperature"""
     eval_size: int = 256
     """the most evaluation prompts used"""
+    eval_samples: int = 1
+    """k responses per evaluation prompt, at --temperature: logs eval/pass@1 .. eval/pass@k (Chen et al. 2021's
+    unbiased estimator from the k samples)"""
+    pass_threshold: float = 1.0
+    """a response passes when its score is at least this (1.0: a verifiable reward's "right")"""
     keep_best: Optional[str] = None
     """also save the models to runs/<run>/best/ whenever this eval metric (e.g. eval/score) is the highest yet"""
     save_every: int = 25
@@ -811,6 +824,39 @@ def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=
     return losses, ratio, logratio, clipped.float()
 
 
+def gspo_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high):
+    """GSPO: PPO's clipped surrogate on each response's ratio s = exp(mean of its tokens' log-ratios), the
+    length-normalised sequence likelihood ratio, in its token form (as veRL): s_t = sg(s) p_t / sg(p_t), whose
+    value is s and whose gradient is s grad log p_t. Same returns as `policy_loss`; `ratio` holds s on each token."""
+    logratio = new_logprobs - old_logprobs  # (b, t)
+    seq_logratio = (logratio * mask).sum(1) / mask.sum(1).clamp(min=1)  # (b,): log s, over the agent's tokens
+    log_s = new_logprobs - new_logprobs.detach() + seq_logratio.detach()[:, None]  # (b, t): value log s, token grad
+    ratio = torch.exp(log_s.clamp(max=10.0))  # (b, t): veRL's bound against overflow
+    pg_losses = -advantages * ratio  # (b, t)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (b, t)
+    clipped = pg_losses2 > pg_losses  # (b, t): whole responses, counted on each of their tokens (as veRL)
+    return torch.max(pg_losses, pg_losses2), ratio, logratio, clipped.float()
+
+
+def cispo_loss(new_logprobs, old_logprobs, advantages, cap):
+    """CISPO: -sg(min(r, cap)) A log p per token. The weight is clipped, not the update: every token keeps a
+    gradient, sg(min(r, cap)) A grad log p, where PPO's clip zeroes it. Same returns as `policy_loss`."""
+    logratio = (new_logprobs - old_logprobs).clamp(-20.0, 20.0)  # (b, t): veRL's bound against overflow
+    ratio = torch.exp(logratio)  # (b, t)
+    weight = ratio.clamp(max=cap).detach()  # (b, t): no gradient through the weight
+    clipped = ratio > cap  # (b, t): where the weight was capped (veRL: ratio != clipped ratio)
+    return -weight * advantages * new_logprobs, ratio, logratio, clipped.float()
+
+
+def policy_objective(new_logprobs, old_logprobs, advantages, mask, args):
+    """--policy-loss's per-token losses (b, t), with the ratio, log-ratio and clipped indicator of each token."""
+    if args.policy_loss == "gspo":  # one ratio per response (Zheng et al. 2025)
+        return gspo_loss(new_logprobs, old_logprobs, advantages, mask, args.clip_eps, args.clip_eps_high)
+    if args.policy_loss == "cispo":  # the clipped weight, detached, times log p (MiniMax-M1)
+        return cispo_loss(new_logprobs, old_logprobs, advantages, args.cispo_cap)
+    return policy_loss(new_logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
+
+
 def value_loss(new_values, old_values, returns, value_clip_eps):
     """Squared error, or the larger of it and the error of the value clipped around the rollout-time
     value (never around the current prediction: that would be a no-op)."""
@@ -830,7 +876,7 @@ def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, max_tokens):
     if mode == "token-mean":  # every token counts the same (long responses weigh more)
         return mask / mb_tokens  # (b, t)
     if mode == "seq-mean-token-mean":  # every response counts the same, whatever its length
-        return mask / (lengths[:, None] * mb_seqs)  # (b, t)
+        return mask / (lengths[:, None].clamp(min=1) * mb_seqs)  # (b, t): (a row without tokens adds 0, not NaN)
     return mask / (mb_seqs * max_tokens)  # "seq-sum-norm" (Dr. GRPO): a constant divisor, no length bias
 
 
@@ -859,9 +905,8 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         old_logprobs = rollout.logprobs[idx, :t]  # (b, t)
         # padding: the new log-prob set to the old, a ratio of exactly 1 (where 0 x inf would give NaN sums)
         new_logprobs = torch.where(mc_mask.bool(), new_logprobs, old_logprobs)  # (b, t)
-        pg_losses, ratio, logratio, pg_clipped = policy_loss(
-            new_logprobs, old_logprobs, rollout.advantages[idx, :t],
-            args.clip_eps, args.clip_eps_high, args.dual_clip)  # (b, t) each
+        pg_losses, ratio, logratio, pg_clipped = policy_objective(
+            new_logprobs, old_logprobs, rollout.advantages[idx, :t], mc_mask, args)  # (b, t) each
         agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mb_tokens, mb_seqs, args.loss_agg,
                            args.max_episode_tokens)  # (b, t)
         pg_weights = agg  # (b, t)
@@ -1215,6 +1260,20 @@ def check_args(args, world):
         args.reward_fn = "chain:reward"  # the chain world's verifiable reward
     if args.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference in it
         args.kl_estimator = "k3" if args.kl_in_loss else "k1"
+    gspo = args.policy_loss == "gspo"  # GSPO's ratios sit near 1 (a mean log-ratio): its paper clips at 3e-4, 4e-4
+    if args.policy_loss == "cispo" and (args.clip_eps is not None or args.clip_eps_high is not None):
+        fail("--policy-loss cispo clips the importance weight, at --cispo-cap; --clip-eps(-high) do nothing with it")
+    if args.clip_eps_high is None and gspo:  # the paper's upper bound, or --clip-eps's when that is given
+        args.clip_eps_high = 4e-4 if args.clip_eps is None else args.clip_eps
+    if args.clip_eps is None and args.policy_loss != "cispo":
+        args.clip_eps = 3e-4 if gspo else 0.2
+    if args.loss_agg is None:
+        args.loss_agg = "seq-mean-token-mean" if gspo else "token-mean"
+    if gspo and args.loss_agg != "seq-mean-token-mean":
+        fail(f"--policy-loss gspo weighs each response once (one ratio each): --loss-agg {args.loss_agg} would "
+             "weigh it by its length; use seq-mean-token-mean (the default with gspo)")
+    if args.policy_loss != "ppo" and args.dual_clip is not None:
+        fail(f"--dual-clip is PPO's (it caps the token surrogate); --policy-loss {args.policy_loss} has none")
     if args.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
         args.whiten_advantages = args.adv_estimator == "gae"
     if args.kl_in_loss and args.kl_estimator == "k1":
@@ -1260,12 +1319,16 @@ def check_args(args, world):
             (0 < a.learning_rate <= 1 and 0 < a.critic_learning_rate <= 1, "--learning-rate and "
              "--critic-learning-rate must be in (0, 1]"),
             (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
-            (0 <= a.eval_fraction < 1 and a.eval_size > 0, "--eval-fraction must be in [0, 1) and --eval-size "
-             "positive"),
+            (0 <= a.eval_fraction < 1 and a.eval_size > 0 and a.eval_samples > 0, "--eval-fraction must be in "
+             "[0, 1), --eval-size and --eval-samples positive"),
+            (a.eval_samples == 1 or not a.eval_greedy, "--eval-greedy with --eval-samples > 1: greedy responses are "
+             "all the same, pass@k would be pass@1; sample at --temperature, or pass --eval-samples 1"),
+            (math.isfinite(a.pass_threshold), "--pass-threshold must be finite"),
             (unit(a.gamma) and unit(a.lam) and unit(a.critic_lam), "--gamma, --lam and --critic-lam must be in "
              "[0, 1]"),
-            (0 < a.clip_eps < 1 and (a.clip_eps_high is None or a.clip_eps_high > 0), "--clip-eps must be in "
-             "(0, 1) and --clip-eps-high > 0"),
+            ((a.clip_eps is None or 0 < a.clip_eps < 1) and (a.clip_eps_high is None or a.clip_eps_high > 0),
+             "--clip-eps must be in (0, 1) and --clip-eps-high > 0"),
+            (a.cispo_cap >= 1, "--cispo-cap must be >= 1: a lower cap would shrink the weight of on-policy tokens"),
             (a.dual_clip is None or a.dual_clip > 1, "--dual-clip must be > 1 (Ye et al. 2020 use 3)"),
             (a.value_clip_eps is None or a.value_clip_eps > 0, "--value-clip-eps must be > 0 (None: no clip)"),
             (a.lam_alpha is None or a.lam_alpha > 0, "--lam-alpha must be > 0"),
@@ -2360,18 +2423,23 @@ def peak_rss_mb():
 
 
 def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp, device, llm):
-    """Responses to the held-out prompts (greedy or at tau), scored like the rollouts (forwards under `amp`):
-    eval/ metrics and a few sample rows."""
+    """Responses to the held-out prompts (greedy or at tau; --eval-samples k of each), scored like the rollouts
+    (forwards under `amp`): eval/ metrics (means over the responses; pass@1 .. pass@k over the prompts) and a few
+    sample rows."""
     rank, world = rank_and_world()
     mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
+    k = args.eval_samples
+    rows = [j for j in mine for _ in range(k)]  # each prompt k times, side by side
     # a random stream of its own, from (seed, update, rank), the vLLM engine's seeds included: a run with
     # evaluation trains exactly as one without, and a resumed run evaluates as the straight one did
     with own_rng(device):
         torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
-        sums, samples, turn_rewards = {}, [], None
+        sums, samples, turn_rewards, passed = {}, [], None, []
         seeds = env_seeds(args, update, rank, len(mine), evaluation=True) if models.env else None
-        for i in range(0, len(mine), local_batch):
-            idx = mine[i: i + local_batch]
+        if seeds is not None:  # a prompt's k tries play the same episode
+            seeds = [s for s in seeds for _ in range(k)]
+        for i in range(0, len(rows), local_batch):
+            idx = rows[i: i + local_batch]
             with amp:
                 if models.env is None:
                     qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer,
@@ -2390,17 +2458,28 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
             move(models.swapped, "cpu")
             if args.missing_eos_penalty is not None:
                 total = torch.where(has_eos, total, args.missing_eos_penalty)
-            values = {"eval/score": total, **{f"eval/{k}": v for k, v in parts.items()}}
+            values = {"eval/score": total, **{f"eval/{name}": v for name, v in parts.items()}}
             if models.gold is not None:
                 values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
-            for k, v in values.items():
-                sums[k] = sums.get(k, 0.0) + v.sum().item()
+            for name, v in values.items():
+                sums[name] = sums.get(name, 0.0) + v.sum().item()
+            passed += (total >= args.pass_threshold).tolist()
             firsts = models.tokenizer.batch_decode(qr[:, :P], skip_special_tokens=True)  # --env: the prompt
-            samples += [{"step": update, "prompt": eval_rows[j]["prompt"] if models.env is None else firsts[k],
+            samples += [{"step": update, "prompt": eval_rows[j]["prompt"] if models.env is None else firsts[n],
                          "response": t, "score": s}
-                        for k, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
-    count = global_sum(torch.tensor(float(len(mine)), device=device)).item()
-    return {k: global_sum(torch.tensor(v, device=device)).item() / max(count, 1) for k, v in sums.items()}, samples
+                        for n, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
+    right = np.array(passed, dtype=int).reshape(len(mine), k).sum(1)  # (prompts,): how many of its k passed
+    pass_sums = torch.tensor([sum(pass_at_k(k, int(c), j) for c in right) for j in range(1, k + 1)], device=device)
+    responses, prompts = global_sum(torch.tensor([float(len(rows)), float(len(mine))], device=device)).tolist()
+    row = {name: global_sum(torch.tensor(v, device=device)).item() / max(responses, 1) for name, v in sums.items()}
+    row.update({f"eval/pass@{j + 1}": v / max(prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
+    return row, samples
+
+
+def pass_at_k(n, c, k):
+    """The chance that at least one of k samples drawn without replacement from n, of which c passed, passes:
+    1 - C(n-c, k) / C(n, k), the unbiased estimator of pass@k (Chen et al. 2021), exact in integers."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def open_run(args, run_name, run_dir, first_update):
@@ -2701,7 +2780,8 @@ def checkpoint_damage(path):
 # to extend a run; the learning-rate decay then follows the new length)
 RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
                      "logprob_chunk", "micro_batch_tokens",
-                     "sample_every", "eval_every", "eval_greedy", "eval_size", "keep_best", "save_every",
+                     "sample_every", "eval_every", "eval_greedy", "eval_size", "eval_samples", "pass_threshold",
+                     "keep_best", "save_every",
                      "keep_checkpoints", "max_nonfinite_steps", "micro_batch_size", "gradient_checkpointing",
                      "shard_frozen", "offload_frozen", "precision", "vllm", "vllm_gpu_memory_utilization",
                      "vllm_sleep", "trust_remote_code"}

@@ -36,6 +36,7 @@ if world > 1:
     policy, critic = ppo.shard(policy, policy._no_split_modules), ppo.shard(critic, critic.seq_cls._no_split_modules)
 opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-4, eps=1e-5) for m in (policy, critic)]
 args = ppo.Args(micro_batch_size=8)
+ppo.check_args(args, 1)  # the defaults it resolves (--clip-eps...)
 for epoch in range(4):
     ppo.minibatch_backward(policy, critic, local, torch.arange(len(local.mask)), P, args)
     if epoch == 0:  # the accumulated, rank-averaged gradient: AdamW and clipping would hide a lost scale

@@ -222,6 +222,12 @@ MUTANTS = [
      'W.add_((layers[owner].scaling["default"] * delta).to(W.dtype))'),
     ("lora-bf16-base-casts-the-whole-model", "ppo.py", "layer.get_base_layer().to(torch.bfloat16)",
      "model.to(torch.bfloat16)"),
+    # the 2025 objectives (killed by the veRL 0.9.1 fixture, tests/verl_objectives.json)
+    ("gspo-sequence-ratio-not-length-normalised", "ppo.py",
+     "seq_logratio = (logratio * mask).sum(1) / mask.sum(1).clamp(min=1)", "seq_logratio = (logratio * mask).sum(1)"),
+    ("cispo-weight-not-detached", "ppo.py", "weight = ratio.clamp(max=cap).detach()", "weight = ratio.clamp(max=cap)"),
+    ("pass-at-k-with-replacement", "ppo.py", "return 1.0 - math.comb(n - c, k) / math.comb(n, k)",
+     "return 1.0 - (1 - c / n) ** k"),  # the biased estimate (Chen et al. 2021, their footnote)
     ("gae-ablation-flag-ignored", "ppo.py", "if not args.gae_across_observations:", "if False:"),
     ("textarena-echoes-the-agents-move", "ppo.py",
      'for sender, message, _ in new if sender == ta.GAME_ID)', 'for sender, message, _ in new)'),

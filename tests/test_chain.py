@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import chain
 import ppo
-from test_ppo_parts import rollout_batch
+from test_ppo_parts import checked, rollout_batch
 
 pytestmark = pytest.mark.fast
 
@@ -68,8 +68,7 @@ def test_overlong_filtering_is_training_on_the_finished_responses_alone(world, l
         rollout.has_eos = ~cut  # (only the filter reads it)
         if rows is None:
             rows = torch.nonzero(rollout.has_eos).squeeze(1)
-        args = ppo.Args(loss_agg=loss_agg, overlong_filter=overlong_filter, response_length=12,
-                        max_episode_tokens=12, micro_batch_size=8)
+        args = checked(loss_agg=loss_agg, overlong_filter=overlong_filter, response_length=12, micro_batch_size=8)
         ppo.minibatch_backward(policy, critic, rollout, rows, P, args)
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     filtered, finished_only, everything = grads

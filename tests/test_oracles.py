@@ -10,6 +10,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 import ppo
 import toy
 from fp32 import assert_close_fp32
+from test_ppo_parts import checked
 
 pytestmark = pytest.mark.fast
 T_HOT = 1.3  # not the default 0.7: a pass that ignores --temperature must show
@@ -141,7 +142,7 @@ def test_value_clip_is_anchored_on_the_rollout_values_in_the_update(world):
     # rollout-time values 1.0 above the current prediction, returns at the prediction: with eps 0.2
     # the clipped value sits 0.8 from the return, so the clip binds on every token and stops its gradient
     vars(rollout).update(values=(current + 1.0) * mask, returns=current)
-    stats = ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(micro_batch_size=8))
+    stats = ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, checked(micro_batch_size=8))
     assert stats["vf_clip"] == stats["tokens"] > 0
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in critic.parameters())
 

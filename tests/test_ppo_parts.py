@@ -116,6 +116,13 @@ def test_disable_dropout_makes_forward_deterministic(world):
     assert torch.equal(model(x).logits, model(x).logits)
 
 
+def checked(**flags):
+    """Args with the defaults that check_args resolves (--clip-eps, --loss-agg...), as main sees them."""
+    args = ppo.Args(**flags)
+    ppo.check_args(args, 1)
+    return args
+
+
 def rollout_batch(world, B=32, T=0.7, seed=0):
     """A real rollout from the toy policy at temperature T, laid out as ppo.main lays it out."""
     import toy
@@ -151,7 +158,7 @@ def test_ratio_is_one_on_a_real_rollout(world):
     # the training pass, on other micro-batches in another order, must find the same log-probs
     policy, critic, rollout, P = rollout_batch(world, T=T_HOT)
     assert (rollout.lengths > 1).any() and (rollout.lengths < rollout.mask.shape[1]).any()
-    args = ppo.Args(micro_batch_size=8, temperature=T_HOT)
+    args = checked(micro_batch_size=8, temperature=T_HOT)
     stats = ppo.minibatch_backward(policy, critic, rollout, torch.randperm(32), P, args)
     assert stats["ratio_dev_max"] < 1e-5 and stats["ratio_dev"] / stats["tokens"] < 1e-6
     assert stats["approxkl"] / stats["tokens"] < 1e-10
@@ -164,7 +171,7 @@ def test_micro_batches_leave_the_gradient_unchanged(world, loss_agg):
     for split in (dict(micro_batch_size=32), dict(micro_batch_size=16), dict(micro_batch_size=8),
                   dict(micro_batch_tokens=60), dict(micro_batch_tokens=150)):
         policy, critic, rollout, P = rollout_batch(world)
-        args = ppo.Args(**split, ent_coef=0.01, loss_agg=loss_agg, response_length=12, max_episode_tokens=12)
+        args = checked(**split, ent_coef=0.01, loss_agg=loss_agg, response_length=12)
         ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
         grads.append({f"{m}.{n}": p.grad for m, model in (("policy", policy), ("critic", critic))
                       for n, p in model.named_parameters()})
@@ -182,7 +189,7 @@ def test_gradient_checkpointing_leaves_the_gradient_unchanged(world):
             for m in (policy, critic.seq_cls):
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 m.train()  # HF recomputes only in training mode, as ppo.main sets it for phase 7
-        ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(micro_batch_size=8))
+        ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, checked(micro_batch_size=8))
         grads.append(torch.cat([p.grad.flatten() for p in list(policy.parameters()) + list(critic.parameters())]))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
     assert policy.model.gradient_checkpointing and grads[0].abs().max() > 0

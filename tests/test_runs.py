@@ -81,11 +81,16 @@ def test_a_tied_head_is_saved_once_in_bf16(tmp_path):
 
 def test_evaluation_leaves_the_training_stream_alone(world):
     plain = run_main("test_eval_off", total_episodes=48, save_every=0)
-    evaluated = run_main("test_eval_on", total_episodes=48, save_every=1, keep_checkpoints=3, eval_every=1, eval_size=8)
+    evaluated = run_main("test_eval_on", total_episodes=48, save_every=1, keep_checkpoints=3, eval_every=1, eval_size=8,
+                         eval_samples=3, pass_threshold=0.0)
     assert without(evaluated, "eval/") == without(plain)  # training exactly as without evaluation
     assert all("eval/score" in r for r in evaluated)
+    for r in evaluated:  # at every evaluation: pass@1 <= pass@2 <= pass@3, and some prompt passes only sometimes
+        p = [r[f"eval/pass@{j}"] for j in (1, 2, 3)]
+        assert 0 <= p[0] <= p[1] <= p[2] <= 1 and "eval/pass@4" not in r
+    assert any(r["eval/pass@1"] < r["eval/pass@3"] for r in evaluated)
     resumed = run_main("test_eval_resumed", total_episodes=48, save_every=1, eval_every=1, eval_size=8,
-                       resume="runs/test_eval_on/checkpoints/step_1")
+                       eval_samples=3, pass_threshold=0.0, resume="runs/test_eval_on/checkpoints/step_1")
     assert without(resumed) == without(evaluated[1:])  # and a resumed run evaluates as the straight one
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import ppo
 import toy
 from fp32 import assert_close_fp32, fp32_tolerance
-from test_ppo_parts import rollout_batch
+from test_ppo_parts import checked, rollout_batch
 
 pytestmark = pytest.mark.fast
 T_HOT = 1.3
@@ -122,7 +122,7 @@ def test_the_entropy_bonus_is_the_token_mean_entropy_at_the_temperature(world):
     # softmax(logits / tau) over valid tokens (here through the chunked head's written-out backward)
     policy, _, rollout, P = rollout_batch(world, B=16, T=T_HOT)
     rollout.advantages = torch.zeros_like(rollout.mask)
-    ppo.minibatch_backward(policy, None, rollout, torch.arange(16), P, ppo.Args(ent_coef=0.1, temperature=T_HOT))
+    ppo.minibatch_backward(policy, None, rollout, torch.arange(16), P, checked(ent_coef=0.1, temperature=T_HOT))
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
     qr, am, mask = rollout.query_responses, rollout.attention_mask, rollout.mask
@@ -161,6 +161,11 @@ def test_kl_in_the_loss_pulls_the_policy_towards_the_reference(world, estimator,
     (dict(adv_estimator="rloo", group_size=2, critic_lam=1.0), "need a critic"),
     (dict(adv_estimator="grpo", group_size=2, lam_alpha=0.05), "need a critic"),
     (dict(adv_estimator="rloo", group_size=2, gae_across_observations=False), "need a critic"),
+    (dict(policy_loss="gspo", loss_agg="token-mean"), "weighs each response once"),
+    (dict(eval_greedy=True, eval_samples=4), "pass@k would be pass@1"),
+    (dict(policy_loss="gspo", dual_clip=3.0), "--dual-clip is PPO's"),
+    (dict(policy_loss="cispo", clip_eps=0.2), "--clip-eps.* do nothing"),
+    (dict(policy_loss="cispo", clip_eps_high=0.28), "--clip-eps.* do nothing"),
 ])
 def test_combinations_that_would_do_nothing_are_refused(flags, message):
     with pytest.raises(ppo.UsageError, match=message):
@@ -173,6 +178,14 @@ def test_the_defaults_resolved_per_estimator():
         ppo.check_args(a, 1)
     assert (gae.whiten_advantages, grpo.whiten_advantages) == (True, False)
     assert (gae.kl_estimator, in_loss.kl_estimator) == ("k1", "k3")
+    gspo, wider, cispo = (ppo.Args(policy_loss="gspo"), ppo.Args(policy_loss="gspo", clip_eps=1e-3),
+                          ppo.Args(policy_loss="cispo"))
+    for a in (gspo, wider, cispo):
+        ppo.check_args(a, 1)
+    assert (gae.clip_eps, gae.clip_eps_high, gae.loss_agg) == (0.2, None, "token-mean")
+    assert (gspo.clip_eps, gspo.clip_eps_high, gspo.loss_agg) == (3e-4, 4e-4, "seq-mean-token-mean")  # the paper's
+    assert (wider.clip_eps, wider.clip_eps_high) == (1e-3, 1e-3)  # a given --clip-eps: both bounds, as with ppo
+    assert (cispo.clip_eps, cispo.clip_eps_high, cispo.cispo_cap) == (None, None, 5.0)
 
 
 def test_each_prompts_group_sits_side_by_side_on_one_rank():
@@ -227,3 +240,16 @@ def test_reward_model_scoring_keeps_the_token_budget(world):
         packed = ppo.reward_model_scores(*args, budget=60)
     assert len(shapes) > 2 and all(b == 1 or b * n <= 60 for b, n in shapes)
     assert_close_fp32(packed, whole, 256)
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_pass():
+    """The estimator against its definition, brute force: of all k-subsets of n samples (c of them right),
+    the share that hold at least one right one."""
+    import itertools
+    for n in range(1, 8):
+        for c in range(n + 1):
+            right = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(right, k))
+                brute = sum(any(s) for s in subsets) / len(subsets)
+                assert abs(ppo.pass_at_k(n, c, k) - brute) < 1e-9, (n, c, k)

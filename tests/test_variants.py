@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import ppo
 from gae import compute_gae
-from test_ppo_parts import rollout_batch
+from test_ppo_parts import checked, rollout_batch
 
 
 @pytest.mark.fast
@@ -80,7 +80,7 @@ def test_per_row_lambda_equals_row_by_row_gae():
 def grads(world, **flags):
     policy, critic, rollout, P = rollout_batch(world, B=16)
     vars(rollout).update(ref_logprobs=rollout.logprobs - 0.3 * rollout.mask, kl_coef=flags.pop("kl_coef", 0.0))
-    ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, ppo.Args(**flags))
+    ppo.minibatch_backward(policy, critic, rollout, torch.arange(16), P, checked(**flags))
     return torch.cat([p.grad.flatten() for p in policy.parameters()])
 
 
@@ -142,3 +142,54 @@ def test_keep_sampling_mask_makes_top_p_and_top_k_trainable(world):
     rows = run("test_keep_mask", "--top-p", "0.8", "--top-k", "10", "--keep-sampling-mask")
     assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)  # old and new on the same truncated support
     assert all(math.isfinite(r["objective/entropy"]) and math.isfinite(r["ppo/loss/policy_avg"]) for r in rows)
+
+
+VERL = json.load(open(os.path.join(os.path.dirname(__file__), "verl_objectives.json")))  # tests/verl_oracle.py
+MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
+         "seq-mean-token-sum-norm": "seq-sum-norm"}  # veRL's names -> ppo.py's
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("case", VERL["cases"], ids=lambda c: f"{c['objective']}-{c['mode']}-is{c['rollout_is_weights']:d}")
+def test_each_objective_equals_verl_in_value_and_gradient(case):
+    """ppo.py's objectives against veRL 0.9.1's own (recorded by tests/verl_oracle.py; veRL is not installed
+    here) on ragged rows: right padding, an episode's hole, an empty row. The loss as minibatch_backward sums
+    it (padding's new log-prob set to the old, weights of --loss-agg), in fp32 as ppo.py runs it."""
+    inputs, name = VERL["inputs"], case["objective"]
+    mask = torch.tensor(inputs["response_mask"], dtype=torch.float32)  # (B, T)
+    old = torch.tensor(inputs["old_log_prob"], dtype=torch.float32)  # (B, T)
+    new = torch.tensor(inputs["log_prob"][name], dtype=torch.float32).requires_grad_()  # (B, T)
+    adv = torch.tensor(inputs["advantages"], dtype=torch.float32)  # (B, T)
+    clip = case["clip"]
+    args = ppo.Args(policy_loss="ppo" if name == "vanilla" else name, loss_agg=MODES[case["mode"]],
+                    clip_eps=clip["clip_ratio_low"], clip_eps_high=clip["clip_ratio_high"],
+                    dual_clip=clip.get("clip_ratio_c"), cispo_cap=1 + clip["clip_ratio_high"])
+    if name == "cispo":  # veRL's lower bound 1 - 1.0 = 0: none, as ppo.py's
+        assert clip["clip_ratio_low"] == 1.0
+        args.clip_eps = args.clip_eps_high = None
+    ppo.check_args(args, 1)
+    losses, _, _, clipped = ppo.policy_objective(torch.where(mask.bool(), new, old), old, adv, mask, args)
+    weights = ppo.loss_weights(mask, mask.sum(1), mask.sum(), (mask.amax(1) > 0).sum(), args.loss_agg,
+                               VERL["T"])  # (B, T): seq-sum-norm's constant divisor, veRL's loss_scale_factor
+    if case["rollout_is_weights"]:
+        weights = weights * torch.tensor(inputs["rollout_is_weights"], dtype=torch.float32)
+    loss = (losses * weights).sum()
+    loss.backward()
+    assert abs(loss.item() - case["loss"]) < 1e-6
+    torch.testing.assert_close(new.grad.double(), torch.tensor(case["grad_log_prob"], dtype=torch.float64), atol=1e-6,
+                               rtol=0)
+    # one clip fraction: veRL's pg_clipfrac and its dual-clip count pg_clipfrac_lower (disjoint) together
+    assert (clipped * mask).sum() / mask.sum() == pytest.approx(case["pg_clipfrac"] + case["pg_clipfrac_lower"],
+                                                                abs=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["gspo", "cispo"])
+def test_the_2025_objectives_train_the_toy_world(world, objective):
+    rows = run(f"test_{objective}", "--policy-loss", objective, "--adv-estimator", "grpo", "--group-size", "4",
+               "--num-minibatches", "2")
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)  # one response's ratio: 1 before any step too
+    assert all(math.isfinite(r["ppo/loss/policy_avg"]) for r in rows)
+    if objective == "gspo":  # at 3e-4 / 4e-4 the second minibatch's responses have left the band
+        assert all(r["ppo/policy/clipfrac_avg"] > 0 for r in rows)
+    a = AutoModelForCausalLM.from_pretrained(f"runs/test_{objective}/policy").lm_head.weight
+    assert not torch.equal(a, AutoModelForCausalLM.from_pretrained("runs/toy/policy").lm_head.weight)

