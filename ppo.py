@@ -8,7 +8,8 @@ One update (the numbered phases of the loop in `main`, and of the README):
   1. sample B / G prompts and generate G responses each (G = --group-size, 1 for GAE) at temperature tau;
      with --env, episodes: the agent's turns and the environment's observations in between (`play`)
   2. cut each response after its first EOS; the mask keeps the EOS
-  3. no-grad passes: old log-probs (policy), reference log-probs, values (critic), score (RM)
+  3. the score (RM, --reward-fn; with --dynamic-sampling the groups that all scored the same are dropped and
+     refilled), then no-grad passes: old log-probs (policy), reference log-probs, values (critic)
   4. per-token reward: -beta * KL_t on every token, plus the score on the last real token
   5. GAE (gae.py)
   6. whiten the advantages over valid tokens
@@ -75,7 +76,7 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -180,6 +181,11 @@ class Args:
     """responses sampled per prompt (the groups of grpo / rloo)"""
     group_std: bool = True
     """grpo: divide by the group's standard deviation (Dr. GRPO drops it)"""
+    dynamic_sampling: bool = False
+    """grpo / rloo: drop the groups whose samples all got the same score (no signal: a zero advantage) and refill
+    the batch from further prompts, drawn from a stream of their own (DAPO's dynamic sampling)"""
+    dynamic_sampling_rounds: int = 3
+    """the most refill rounds of --dynamic-sampling per update, each a batch of prompts; then train on what there is"""
     whiten_advantages: Optional[bool] = None
     """normalise advantages to mean 0, std 1 over valid tokens. None: on for GAE; off for grpo / rloo, whose
     advantages are already centred per group (re-whitening shifts a group with no signal off 0: a length bias)"""
@@ -392,10 +398,22 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def env_seeds(args, update, rank, n, evaluation=False):
+def refill_order(update, round, n_rows, args, rank, local_batch):
+    """--dynamic-sampling's prompt rows for refill round `round` of an update, laid out as `prompt_order`'s, from a
+    numpy generator of their own seeded by (seed, update, round): the main prompt stream, and where a resumed run
+    finds itself in it, stay as they are without the flag."""
+    n_prompts = args.batch_size // args.group_size
+    order = np.random.default_rng([args.seed, update, round]).choice(n_rows, n_prompts, replace=n_rows < n_prompts)
+    batch_idx = np.repeat(order, args.group_size)  # (B,): groups side by side
+    return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
+
+
+def env_seeds(args, update, rank, n, evaluation=False, round=0):
     """This rank's episode seeds of an update, from (seed, update, rank) alone, so a resumed run replays the
-    same episodes; in training a group's G episodes share theirs (the same task, G tries)."""
-    seeds = np.random.SeedSequence([args.seed, update, rank, int(evaluation)]).generate_state(n)  # (n,) uint32
+    same episodes; in training a group's G episodes share theirs (the same task, G tries). A refill round of
+    --dynamic-sampling adds its number to the key."""
+    key = [args.seed, update, rank, int(evaluation)] + ([round] if round else [])
+    seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
     group = 1 if evaluation else args.group_size
     return [int(s) for s in seeds[np.arange(n) // group * group]]
 
@@ -499,6 +517,96 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
     has_eos = torch.tensor(done, device=device)  # (B,): True = the env ended the episode
     engine_logprobs = padded(engine, 0.0) if llm is not None else None  # (B, T)
     return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, padded(reward, 0.0)
+
+
+class Sampled(NamedTuple):
+    """B rollouts after phases 1-2, scored: what `sample` returns and --dynamic-sampling filters and joins."""
+    rows: list  # B prompt rows: the prompt and any extra columns (--env: the episode's row)
+    query_responses: torch.Tensor  # (B, P+T)
+    attention_mask: torch.Tensor  # (B, P+T)
+    lengths: torch.Tensor  # (B,)
+    has_eos: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T): --env: the action mask, 1 on the agent's tokens only
+    P: int
+    engine_logprobs: Optional[torch.Tensor]  # (B, T): --vllm's, else None
+    turn_rewards: Optional[torch.Tensor]  # (B, T): --env, each step's reward on the last agent token of its turn
+    texts: list  # B decoded responses
+    scores: torch.Tensor  # (B,): the total score, before phase 4's treatment of long responses
+    score_parts: dict  # each weighted component's (B,)
+
+
+def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False):
+    """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score under
+    no_grad, on the policy's tokens and the decoded texts (--offload-frozen: the reward model on the device)."""
+    policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
+    rows, turn_rewards = [rows[i] for i in idx], None
+    with amp:
+        if models.env is None:
+            qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
+                policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm)
+        else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
+            qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards = play(
+                models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm)
+    texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
+    move(models.swapped, device)
+    with torch.no_grad(), amp:
+        scores, parts = score(models, args, rows, texts, qr, am, lengths, P, micro, turn_rewards)  # (B,)
+    move(models.swapped, "cpu")
+    return Sampled(rows, qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, texts, scores, parts)
+
+
+def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
+    """DAPO's dynamic sampling (Yu et al. 2025). A group whose G samples all got the same score (phase 4's, before
+    the KL penalty: with it the totals would never tie) has a zero advantage on every token: it is dropped, and
+    further groups are sampled from `refill_order`'s stream, a batch of prompts a round, for at most
+    --dynamic-sampling-rounds rounds or until every rank holds its batch of groups with a signal. Every rank keeps
+    the same number of them, the fewest any rank holds (so all take the same minibatches: a sharded forward needs
+    every rank); surplus groups are discarded. With none anywhere, the batch trains as it came. Returns the batch
+    and its metrics."""
+    rank, world = rank_and_world()
+    G, B = args.group_size, len(batch.lengths)
+    kept, first, have, groups, tokens = [], batch, 0, 0, 0
+    for round in range(args.dynamic_sampling_rounds + 1):
+        if round > 0:
+            idx = refill_order(update, round, len(rows), args, rank, B)  # (B,)
+            batch = sample(models, args, rows, prompt_ids, idx, env_seeds(args, update, rank, B, round=round), micro,
+                           amp, device, llm)
+        s = long_responses(batch.scores, batch.has_eos, batch.lengths, None, args)[0].view(-1, G)  # (B / G, G)
+        signal = torch.nonzero((s != s[:, :1]).any(1)).squeeze(1)  # (n,): the groups whose scores differ
+        kept.append(pick(batch, (signal[:, None] * G + torch.arange(G, device=device)).flatten()))  # (n G,)
+        have, groups, tokens = have + len(signal), groups + len(s), tokens + batch.mask.sum().item()
+        full = -global_max(-float(min(have, B // G)), device)  # the groups of the rank that holds the fewest
+        if full == B // G:
+            break
+    n_groups, n_signal, n_tokens = global_sum(torch.tensor([groups, have, tokens], device=device)).tolist()
+    metrics = {"sampling/dropped": 1 - n_signal / n_groups, "sampling/rounds": round,
+               "sampling/trained_groups": full * world, "time/generated_tokens": n_tokens}
+    if full == 0:
+        return first, metrics
+    return pick(join(kept, models.tokenizer.pad_token_id), torch.arange(int(full) * G, device=device)), metrics
+
+
+def pick(batch, idx):
+    """The rows `idx` (n,) of a Sampled."""
+    def take(x):
+        if isinstance(x, torch.Tensor):
+            return x[idx]
+        return [x[i] for i in idx.tolist()] if isinstance(x, list) else x  # (P and None as they are)
+    return Sampled(*map(take, batch[:-1]), {k: v[idx] for k, v in batch.score_parts.items()})
+
+
+def join(parts, pad_id):
+    """Several Sampled as one: prompts left-padded to the longest, responses right-padded to the longest."""
+    P, T = max(b.P for b in parts), max(b.mask.shape[1] for b in parts)
+    pad = lambda b, x, value: torch.nn.functional.pad(x, (P - b.P, T - b.mask.shape[1]), value=value)  # (b, P+T)
+    right = lambda b, x: None if x is None else torch.nn.functional.pad(x, (0, T - x.shape[1]))  # (b, T)
+    cat = lambda xs: None if xs[0] is None else torch.cat(xs) if isinstance(xs[0], torch.Tensor) else sum(xs, [])
+    return Sampled(cat([b.rows for b in parts]), cat([pad(b, b.query_responses, pad_id) for b in parts]),
+                   cat([pad(b, b.attention_mask, 0) for b in parts]), cat([b.lengths for b in parts]),
+                   cat([b.has_eos for b in parts]), cat([right(b, b.mask) for b in parts]), P,
+                   cat([right(b, b.engine_logprobs) for b in parts]), cat([right(b, b.turn_rewards) for b in parts]),
+                   cat([b.texts for b in parts]), cat([b.scores for b in parts]),
+                   {k: cat([b.score_parts[k] for b in parts]) for k in parts[0].score_parts})
 
 
 # --- phase 3: log-probs, entropies and values in no-grad passes -------------------------------
@@ -1019,32 +1127,25 @@ def main(args: Args):
                initial=first_update - 1, total=num_updates, disable=rank != 0)
     for update in bar:
         t0, cpu0 = time.perf_counter(), time.process_time()  # wall clock, and this process's CPU seconds
-        # 1. sample prompts (each pass over the prompt set in a fresh order) and generate;
-        # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`)
+        # 1. sample prompts (each pass over the prompt set in a fresh order) and generate (--env: play episodes);
+        # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`); and the score
         batch_idx = prompt_order(update, len(prompt_rows), args, rank, local_batch)  # (B,)
-        batch_rows = [prompt_rows[i] for i in batch_idx]  # the prompt and any extra columns
-        turn_rewards = None  # (B, T) with --env: each step's reward on the last agent token of its turn
-        with amp:
-            if models.env is None:
-                query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs = generate(
-                    policy, tokenizer, [prompt_ids[i] for i in batch_idx], device, synced=world > 1, llm=llm)
-            else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
-                query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, turn_rewards = play(
-                    models.env, policy, tokenizer, batch_rows, env_seeds(args, update, rank, local_batch), device,
-                    args, synced=world > 1, llm=llm)
-        responses = query_responses[:, P:]  # (B, T)
-        texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(responses, lengths)], skip_special_tokens=True)
+        batch = sample(models, args, prompt_rows, prompt_ids, batch_idx, env_seeds(args, update, rank, local_batch),
+                       micro, amp, device, llm)
+        sampling = {}  # --dynamic-sampling's metrics
+        if args.dynamic_sampling:  # DAPO: a group whose samples all scored the same has no signal; refill (see inside)
+            batch, sampling = dynamic_sampling(batch, update, models, args, prompt_rows, prompt_ids, micro, amp,
+                                               device, llm)
+        (batch_rows, query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, texts,
+         scores, score_parts) = batch  # (B, ...): see `Sampled`
         t_generate = time.perf_counter() - t0
 
-        # 3. no-grad passes: old and reference log-probs, values, then the score
+        # 3. no-grad passes: old and reference log-probs, values (the score came with the samples)
         move(models.swapped, device)
         with amp:
             logprobs, ref_logprobs, entropy, values, next_values, support = rollout_passes(
                 policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, args.temperature,
                 sampler_filter, args.logprob_chunk, args.micro_batch_tokens)  # (B, T) each; next_values (B,)
-            with torch.no_grad():
-                scores, score_parts = score(models, args, batch_rows, texts, query_responses, attention_mask,
-                                            lengths, P, micro, turn_rewards)  # (B,)
         move(models.swapped, "cpu")  # free the accelerator for phase 7
 
         # 4. per-token rewards: KL penalty everywhere, the score on the last real token (long responses: see inside)
@@ -1139,6 +1240,7 @@ def main(args: Args):
                  "time/update_s": t_update, "time/cpu_s": time.process_time() - cpu0}
         row = metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef,
                           schedulers[0].get_last_lr()[0], times, score_parts, models.gold, tokenizer)
+        row.update(sampling)  # --dynamic-sampling: its time/generated_tokens counts every round's
         eval_samples = []
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             t_eval = time.perf_counter()
@@ -1328,6 +1430,7 @@ def check_args(args, world):
              "[0, 1]"),
             ((a.clip_eps is None or 0 < a.clip_eps < 1) and (a.clip_eps_high is None or a.clip_eps_high > 0),
              "--clip-eps must be in (0, 1) and --clip-eps-high > 0"),
+            (a.dynamic_sampling_rounds >= 0, "--dynamic-sampling-rounds must be >= 0"),
             (a.cispo_cap >= 1, "--cispo-cap must be >= 1: a lower cap would shrink the weight of on-policy tokens"),
             (a.dual_clip is None or a.dual_clip > 1, "--dual-clip must be > 1 (Ye et al. 2020 use 3)"),
             (a.value_clip_eps is None or a.value_clip_eps > 0, "--value-clip-eps must be > 0 (None: no clip)"),
@@ -1369,6 +1472,9 @@ def check_args(args, world):
         fail(f"--batch-size {args.batch_size} must split into {world} rank(s) x --num-minibatches "
              f"{args.num_minibatches} x micro-batches of --micro-batch-size {args.micro_batch_size}")
     local_batch = args.batch_size // world
+    if args.dynamic_sampling and args.adv_estimator == "gae":
+        fail("--dynamic-sampling drops the groups of samples that all scored the same, a zero group advantage: it "
+             "needs --adv-estimator grpo or rloo (with GAE the critic's baseline still gives such responses a signal)")
     if args.critic_warmup_updates and args.adv_estimator != "gae":
         fail("--critic-warmup-updates needs a critic: --adv-estimator gae")
     if local_batch % args.group_size or (args.adv_estimator != "gae" and args.group_size < 2):
@@ -2434,28 +2540,16 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     # evaluation trains exactly as one without, and a resumed run evaluates as the straight one did
     with own_rng(device):
         torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
-        sums, samples, turn_rewards, passed = {}, [], None, []
+        sums, samples, passed = {}, [], []
         seeds = env_seeds(args, update, rank, len(mine), evaluation=True) if models.env else None
         if seeds is not None:  # a prompt's k tries play the same episode
             seeds = [s for s in seeds for _ in range(k)]
         for i in range(0, len(rows), local_batch):
             idx = rows[i: i + local_batch]
-            with amp:
-                if models.env is None:
-                    qr, am, lengths, has_eos, _, P, _ = generate(models.policy, models.tokenizer,
-                                                                 [eval_ids[j] for j in idx], device, args.eval_greedy,
-                                                                 world > 1, llm)
-                else:
-                    qr, am, lengths, has_eos, _, P, _, turn_rewards = play(
-                        models.env, models.policy, models.tokenizer, [eval_rows[j] for j in idx],
-                        seeds[i: i + local_batch], device, args, args.eval_greedy, world > 1, llm)
+            tries = None if seeds is None else seeds[i: i + local_batch]  # --env: these episodes' seeds
+            _, qr, _, lengths, has_eos, _, P, _, _, texts, total, parts = sample(
+                models, args, eval_rows, eval_ids, idx, tries, micro, amp, device, llm, args.eval_greedy)
             responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
-            texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            move(models.swapped, device)  # --offload-frozen: the reward model onto the device to score
-            with torch.no_grad(), amp:
-                total, parts = score(models, args, [eval_rows[j] for j in idx], texts, qr, am, lengths, P, micro,
-                                     turn_rewards)
-            move(models.swapped, "cpu")
             if args.missing_eos_penalty is not None:
                 total = torch.where(has_eos, total, args.missing_eos_penalty)
             values = {"eval/score": total, **{f"eval/{name}": v for name, v in parts.items()}}

@@ -228,6 +228,11 @@ MUTANTS = [
     ("cispo-weight-not-detached", "ppo.py", "weight = ratio.clamp(max=cap).detach()", "weight = ratio.clamp(max=cap)"),
     ("pass-at-k-with-replacement", "ppo.py", "return 1.0 - math.comb(n - c, k) / math.comb(n, k)",
      "return 1.0 - (1 - c / n) ** k"),  # the biased estimate (Chen et al. 2021, their footnote)
+    ("dynamic-sampling-keeps-a-dropped-group", "ppo.py",
+     "signal = torch.nonzero((s != s[:, :1]).any(1)).squeeze(1)", "signal = torch.arange(len(s), device=device)"),
+    ("dynamic-sampling-refill-from-the-main-stream", "ppo.py",
+     "idx = refill_order(update, round, len(rows), args, rank, B)",
+     "idx = prompt_order(update + round, len(rows), args, rank, B)"),
     ("gae-ablation-flag-ignored", "ppo.py", "if not args.gae_across_observations:", "if False:"),
     ("textarena-echoes-the-agents-move", "ppo.py",
      'for sender, message, _ in new if sender == ta.GAME_ID)', 'for sender, message, _ in new)'),

@@ -91,3 +91,39 @@ def test_a_few_updates_of_the_chain_world(tmp_path, monkeypatch):
     samples = [json.loads(line) for line in open("runs/test_chain/samples.jsonl")]
     assert all(s["prompt"].endswith("?") and s["score"] == chain.reward([s["prompt"]], [s["response"]])[0]
                for s in samples if s["score"] >= 0)  # (a response cut by the limit gets the missing-EOS penalty)
+
+
+@pytest.fixture(scope="module")
+def small_chain(tmp_path_factory):
+    """A chain world of a few pre-training steps: right some of the time, so some groups of 4 tie and some don't."""
+    return chain.build_world(str(tmp_path_factory.mktemp("chain") / "chain"), steps=200, log=lambda *a: None)
+
+
+@pytest.mark.fast
+def test_dynamic_sampling_trains_on_the_groups_with_a_signal_alone(small_chain, monkeypatch):
+    monkeypatch.setattr(chain, "build_world", lambda *a, **k: small_chain)
+    drawn, trained = [], []  # each call's prompt rows; each update's batch as the epochs see it
+    real_sample, real_backward = ppo.sample, ppo.minibatch_backward
+    monkeypatch.setattr(ppo, "sample", lambda m, a, rows, ids, idx, *r, **k: (
+        drawn.append(list(idx)), real_sample(m, a, rows, ids, idx, *r, **k))[1])
+    monkeypatch.setattr(ppo, "minibatch_backward", lambda p, c, rollout, *r, **k: (
+        trained.append(rollout), real_backward(p, c, rollout, *r, **k))[1])
+    shutil.rmtree("runs/test_dynamic", ignore_errors=True)
+    args = ppo.Args(model="chain", run_name="test_dynamic", total_episodes=96, batch_size=32, num_ppo_epochs=1,
+                    adv_estimator="grpo", group_size=4, dynamic_sampling=True, dynamic_sampling_rounds=2,
+                    save_every=0, sample_every=0)
+    ppo.main(args)
+    rows = [json.loads(line) for line in open("runs/test_dynamic/metrics.jsonl")]
+    assert any(0 < r["sampling/dropped"] < 1 for r in rows) and any(r["sampling/rounds"] > 0 for r in rows)
+    n_rows = len(ppo.load_prompt_rows(args)[0])
+    for update, r in enumerate(rows, 1):
+        calls, drawn = drawn[: 1 + r["sampling/rounds"]], drawn[1 + r["sampling/rounds"]:]
+        # the main stream as without the flag; each refill from a stream of its own, no later update's batch
+        assert calls[0] == ppo.prompt_order(update, n_rows, args, 0, 32).tolist()
+        for refill in calls[1:]:
+            assert all(refill != ppo.prompt_order(u, n_rows, args, 0, 32).tolist() for u in range(update, update + 4))
+        rollout = trained[update - 1]
+        s = rollout.scores.view(-1, 4)  # (groups, 4): phase 4's scores
+        if r["sampling/trained_groups"] > 0:  # every group trained on has a signal; as many as logged
+            assert (s != s[:, :1]).any(1).all() and len(s) == r["sampling/trained_groups"]
+    assert not drawn

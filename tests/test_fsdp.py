@@ -173,3 +173,13 @@ def test_two_rank_lora_run_resumes_exactly_and_saves_its_adapters(world):
         adapted = PeftModel.from_pretrained(base, "runs/test_fsdp_lora/policy_adapter")(ids).logits  # (in place)
     assert_close_fp32(merged, adapted, 256)  # (the toy's longest sum: its MLP's 256 units)
     assert (merged - before).abs().max() > 1e-3  # the adapters trained
+
+
+def test_two_ranks_with_dynamic_sampling_keep_as_many_groups_each(world):
+    """Each rank drops its own groups without a signal, and all keep as many as the rank with the fewest: the
+    same minibatches on both, or the sharded forwards would wait for each other forever (the timeout)."""
+    rows, _ = two_rank_run("test_fsdp_dynamic", "--reward-fn", "toy:gold_reward", "--adv-estimator", "grpo",
+                           "--group-size", "2", "--dynamic-sampling", "--dynamic-sampling-rounds", "0")
+    assert [r["step"] for r in rows] == [1, 2, 3]  # no refill: each rank holds what its own batch had
+    assert all(0 < r["sampling/trained_groups"] < 32 and r["sampling/trained_groups"] % 2 == 0 for r in rows)
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)

@@ -72,3 +72,15 @@ def test_a_row_cut_short_by_the_kill_is_dropped(tmp_path):
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
     ppo.truncate_jsonl(str(path), 2)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_a_run_with_dynamic_sampling_resumes_exactly(world):
+    """Refill rounds after the resume point draw what the straight run drew (the refill stream is keyed by the
+    update and the round, the samples by the restored generators)."""
+    flags = ["--total-episodes", "256", "--reward-fn", "toy:gold_reward", "--adv-estimator", "grpo", "--group-size",
+             "2", "--dynamic-sampling", "--save-every", "1", "--sample-every", "1"]
+    runs = straight_and_resumed("test_dynamic", flags)
+    straight, resumed = ([{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in metrics(run)]
+                         for run in runs)
+    assert resumed == straight and len(straight) == 4
+    assert any(r["sampling/rounds"] > 0 for r in straight[1:])  # a refill after the resume point
