@@ -286,7 +286,14 @@ class Args:
 
     # data
     dataset: Optional[str] = None
-    """prompts: a local .jsonl/.json/.parquet/.csv file or a hub dataset name (default: the toy world's prompts)"""
+    """prompts: a local .jsonl/.json/.parquet/.csv file or a hub dataset name (default: the toy world's prompts);
+    or reasoning-gym:NAME, a procedural task of reasoning-gym, generated offline, its own score_answer the reward"""
+    dataset_options: Optional[str] = None
+    """reasoning-gym:NAME: the generator's options as a JSON object, e.g. '{"max_terms": 2}'; "size" (2048) and
+    "seed" (1234) set the training rows, the evaluation rows come from seed + 1"""
+    answer_format: Literal["tag", "raw"] = "tag"
+    """reasoning-gym:NAME: the prompt asks for the answer between <answer> and </answer> and the reward reads the
+    last such tag (reasoning-gym's convention; none: 0), or asks for the answer alone and reads the whole response"""
     prompt_column: str = "prompt"
     """column holding the prompt: a string, or a list of chat messages rendered with the chat template"""
     train_split: str = "train"
@@ -1360,6 +1367,11 @@ def check_args(args, world):
         args.max_episode_tokens = args.max_turns * args.response_length + (args.max_turns - 1) * 64
     if args.model == "chain" and args.reward_model is None and args.reward_fn is None:
         args.reward_fn = "chain:reward"  # the chain world's verifiable reward
+    rgym = (args.dataset or "").startswith("reasoning-gym:")
+    if rgym and args.reward_model is None and args.reward_fn is None:
+        args.reward_fn = "ppo:reasoning_gym_reward"  # the task's own score_answer
+    if (args.dataset_options is not None or args.answer_format != "tag") and not rgym:
+        fail("--dataset-options and --answer-format are for --dataset reasoning-gym:NAME")
     if args.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference in it
         args.kl_estimator = "k3" if args.kl_in_loss else "k1"
     gspo = args.policy_loss == "gspo"  # GSPO's ratios sit near 1 (a mean log-ratio): its paper clips at 3e-4, 4e-4
@@ -1964,6 +1976,8 @@ def load_prompt_rows(args, env=None):
         world = importlib.import_module(args.model if args.model in WORLDS else "toy")
         return ([{"prompt": p} for p in world.prompts(2048, seed=1234)],
                 [{"prompt": p} for p in world.prompts(args.eval_size, seed=4321)])
+    if args.dataset.startswith("reasoning-gym:"):
+        return reasoning_gym_rows(args, args.dataset)
     import datasets
     ext = os.path.splitext(args.dataset)[1]
     local = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(ext)
@@ -1994,6 +2008,51 @@ def load_prompt_rows(args, env=None):
                 [dict(r, prompt=r.get(args.prompt_column)) for r in held_out])
     except UnicodeDecodeError as e:
         fail(f"--dataset {args.dataset!r} cannot be loaded: it is not UTF-8 text ({reason(e)})")
+
+
+def reasoning_gym_rows(args, spec):
+    """--dataset reasoning-gym:NAME: training and evaluation rows of a procedural task, generated here (no file,
+    no network). Each prompt is one user message, the task's question and the instruction --answer-format asks
+    for; the row keeps the task's entry, which `reasoning_gym_reward` scores with the task's own score_answer."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        fail("--dataset reasoning-gym:... needs the reasoning-gym package: pip install reasoning-gym")
+    name = spec.split(":", 1)[1]
+    try:
+        options = json.loads(args.dataset_options or "{}")
+        assert isinstance(options, dict), "not a JSON object"
+    except (ValueError, AssertionError) as e:
+        fail(f"--dataset-options {args.dataset_options!r} is not a JSON object of the generator's options ({e})")
+    size, seed = options.pop("size", 2048), options.pop("seed", 1234)
+    try:  # the evaluation rows from the next seed
+        train, held_out = (reasoning_gym.create_dataset(name, size=n, seed=s, **options)
+                           for n, s in ((size, seed), (args.eval_size, seed + 1)))
+    except Exception as e:  # an unknown task, an option it does not take: one line
+        fail(f"--dataset {spec!r} with options {options} cannot be generated ({type(e).__name__}: {reason(e)}); "
+             "the tasks: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))'")
+    ask = ANSWER_FORMATS[args.answer_format]
+
+    def row(e):  # the prompt as one user message; the entry (question, answer, metadata) for the reward
+        return {"prompt": [{"role": "user", "content": f"{e['question']}\n\n{ask}"}], "answer": e["answer"],
+                "task": name, "entry": e, "answer_format": args.answer_format}
+    return [row(e) for e in train], [row(e) for e in held_out]
+
+
+# what the prompt asks for, by --answer-format (the reward reads the answer where it asked)
+ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>.",
+                  "raw": "Reply with the final answer alone."}
+
+
+def reasoning_gym_reward(prompts, responses, task, entry, answer_format, **columns):
+    """--dataset reasoning-gym:NAME's reward (`--reward-fn ppo:reasoning_gym_reward`, its default): the task's own
+    score_answer on the answer read from each response, inside its last <answer> tag ("tag"; none: 0) or the
+    whole response stripped ("raw")."""
+    import reasoning_gym
+    from reasoning_gym.utils import extract_answer
+    score_answer = reasoning_gym.get_score_answer_fn(task[0])
+    answers = [extract_answer(r) if f == "tag" else r.strip() for r, f in zip(responses, answer_format)]
+    return [0.0 if a is None else float(score_answer(a, e)) for a, e in zip(answers, entry)]
 
 
 def check_prompt(prompt, tokenizer, where):

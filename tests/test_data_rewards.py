@@ -102,3 +102,57 @@ def test_gold_as_the_reward_function_trains_the_toy_world(world):
     assert all("objective/reward_model" not in r for r in rows)  # no reward model was loaded
     gold = [r["objective/gold"] for r in rows]
     assert gold[0] <= 0.5 and np.mean(gold[-len(gold) // 10:]) >= 0.8, gold
+
+
+RGYM = dict(dataset="reasoning-gym:chain_sum", dataset_options='{"size": 64, "max_terms": 2, "max_digits": 1}',
+            eval_size=16)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("answer_format", ["tag", "raw"])
+def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
+    import ppo
+    import reasoning_gym
+    args = ppo.Args(**RGYM, answer_format=answer_format)
+    ppo.check_args(args, 1)
+    assert args.reward_fn == "ppo:reasoning_gym_reward"
+    train, held_out = ppo.load_prompt_rows(args)
+    assert len(train) == 64 and len(held_out) == 16
+    ask = ppo.ANSWER_FORMATS[answer_format]
+    assert all(r["prompt"][0]["role"] == "user" and r["prompt"][0]["content"].endswith(ask) for r in train)
+    # the library's own rows (seed 1234; the evaluation's from 1235), its own scorer
+    own = reasoning_gym.create_dataset("chain_sum", size=64, seed=1234, max_terms=2, max_digits=1)
+    assert [r["entry"]["question"] for r in train] == [e["question"] for e in own]
+    assert [r["entry"]["question"] for r in held_out] != [e["question"] for e in own][:16]
+    rows = train[:4]
+    right = [r["answer"] for r in rows]
+    wrong = [str(int(a) + 1) for a in right]
+    if answer_format == "tag":  # the last tag counts; an answer outside any tag does not
+        texts = [f"<answer>{wrong[0]}</answer> no, <answer>{right[0]}</answer>", f"<answer> {right[1]} </answer>",
+                 right[2], f"<answer>{wrong[3]}</answer>"]
+    else:
+        texts = [right[0], f" {right[1]}\n", wrong[2], ""]  # the whole response, stripped
+    reward = ppo.load_python(args.reward_fn, "--reward-fn")
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    assert reward([r["prompt"] for r in rows], texts, **columns) == [1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("flags, message", [
+    (dict(dataset="reasoning-gym:no_such_task"), "cannot be generated .*not registered"),
+    (dict(dataset="reasoning-gym:chain_sum", dataset_options='{"bogus": 1}'), "cannot be generated .*bogus"),
+    (dict(dataset="reasoning-gym:chain_sum", dataset_options="[1, 2]"), "not a JSON object"),
+    (dict(dataset="reasoning-gym:chain_sum", dataset_options="{max_terms: 2}"), "not a JSON object"),
+])
+def test_a_bad_reasoning_gym_task_is_one_line(flags, message):
+    import ppo
+    with pytest.raises(ppo.UsageError, match=message):
+        ppo.load_prompt_rows(ppo.Args(**flags))
+
+
+@pytest.mark.fast
+def test_reasoning_gym_flags_without_the_dataset_are_refused():
+    import ppo
+    for flags in (dict(dataset_options="{}"), dict(answer_format="raw")):
+        with pytest.raises(ppo.UsageError, match="are for --dataset reasoning-gym:NAME"):
+            ppo.check_args(ppo.Args(**flags), 1)

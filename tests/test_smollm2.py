@@ -121,3 +121,23 @@ def test_smollm2_plays_a_textarena_game_through_its_chat_template(smol, monkeypa
             kinds.add("sampled <|im_end|>" if stop - h < 8 else "cut at 8")
         assert mask == expected
     assert kinds == {"sampled <|im_end|>", "cut at 8"}  # (both kinds of turn occur in these 12)
+
+
+def test_smollm2_trains_on_a_reasoning_gym_task(smol):
+    """The README's reasoning-gym command, shortened to one update: the task's rows through SmolLM2's chat
+    template, the task's own scorer as the reward, GRPO, and pass@k at the evaluation."""
+    shutil.rmtree("runs/test_rgym", ignore_errors=True)
+    out = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_rgym", "--model", smol,
+                          "--dataset", "reasoning-gym:chain_sum", "--dataset-options",
+                          '{"min_terms": 2, "max_terms": 2, "max_digits": 1}', "--answer-format", "raw",
+                          "--adv-estimator", "grpo", "--group-size", "4", "--batch-size", "8", "--micro-batch-size",
+                          "4", "--response-length", "16", "--total-episodes", "8", "--num-ppo-epochs", "1",
+                          "--learning-rate", "1e-6", "--eval-every", "1", "--eval-size", "4", "--eval-samples", "2",
+                          "--sample-every", "1", "--save-every", "0"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(open("runs/test_rgym/metrics.jsonl").readline())
+    assert json.load(open("runs/test_rgym/config.json"))["reward_fn"] == "ppo:reasoning_gym_reward"
+    assert row["ppo/policy/ratio_at_start"] < 1e-5 and 0 <= row["objective/reward_fn"] <= 1
+    assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1
+    samples = [json.loads(line) for line in open("runs/test_rgym/samples.jsonl")]
+    assert all(s["prompt"][0]["content"].endswith("Reply with the final answer alone.") for s in samples)
