@@ -2530,7 +2530,9 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
     row = {
         "step": update, "episode": update * args.batch_size,
         "objective/scores": scores.mean().item(),
-        "objective/kl": rollout.kl.sum(1).mean().item(),
+        "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
+        # the KL to the reference as k1 estimates it, whatever --kl-estimator is: comparable across estimators
+        "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item(),
         "objective/kl_coef": kl_coef,
         "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
         "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),

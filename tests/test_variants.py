@@ -102,6 +102,7 @@ def run(name, *flags):
 def test_target_kl_stops_the_epochs(world):
     rows = run("test_target_kl", "--target-kl", "1e-12", "--num-minibatches", "2")
     assert all(r["ppo/epochs"] == 1 for r in rows[1:])  # stopped after the first epoch (update 1 is on-policy)
+    assert all(r["objective/kl_k1"] == pytest.approx(r["objective/kl"], abs=1e-7) for r in rows)  # k1: the same
 
 
 def test_critic_free_estimators_load_no_critic(world):
@@ -110,6 +111,7 @@ def test_critic_free_estimators_load_no_critic(world):
                    "--kl-estimator", "k3", "--loss-agg", "seq-sum-norm", "--clip-eps-high", "0.28", "--dual-clip", "3")
         assert not os.path.exists(f"runs/test_{estimator}/critic")
         assert all(r["ppo/loss/value_avg"] == 0 and r["objective/non_score_reward"] == 0 for r in rows)
+        assert all(r["objective/kl_k1"] != r["objective/kl"] for r in rows[1:])  # k3's estimate is not k1's
 
 
 def test_ptx_and_vapo_options_change_the_update(world):
