@@ -291,9 +291,10 @@ class Args:
     dataset_options: Optional[str] = None
     """reasoning-gym:NAME: the generator's options as a JSON object, e.g. '{"max_terms": 2}'; "size" (2048) and
     "seed" (1234) set the training rows, the evaluation rows come from seed + 1"""
-    answer_format: Literal["tag", "raw"] = "tag"
+    answer_format: Literal["tag", "raw", "number"] = "tag"
     """reasoning-gym:NAME: the prompt asks for the answer between <answer> and </answer> and the reward reads the
-    last such tag (reasoning-gym's convention; none: 0), or asks for the answer alone and reads the whole response"""
+    last such tag (reasoning-gym's convention; none: 0); or asks for the answer alone and reads the whole response;
+    or, for tasks whose answer is a number, reads the last number in the response (GSM8K-style; none: 0)"""
     prompt_column: str = "prompt"
     """column holding the prompt: a string, or a list of chat messages rendered with the chat template"""
     train_split: str = "train"
@@ -2041,17 +2042,19 @@ def reasoning_gym_rows(args, spec):
 
 # what the prompt asks for, by --answer-format (the reward reads the answer where it asked)
 ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>.",
-                  "raw": "Reply with the final answer alone."}
+                  "raw": "Reply with the final answer alone.", "number": "End with the final answer, a number."}
 
 
 def reasoning_gym_reward(prompts, responses, task, entry, answer_format, **columns):
     """--dataset reasoning-gym:NAME's reward (`--reward-fn ppo:reasoning_gym_reward`, its default): the task's own
-    score_answer on the answer read from each response, inside its last <answer> tag ("tag"; none: 0) or the
-    whole response stripped ("raw")."""
+    score_answer on the answer read from each response: inside its last <answer> tag ("tag"), the whole response
+    stripped ("raw"), or its last number ("number"); none there: 0."""
     import reasoning_gym
     from reasoning_gym.utils import extract_answer
     score_answer = reasoning_gym.get_score_answer_fn(task[0])
-    answers = [extract_answer(r) if f == "tag" else r.strip() for r, f in zip(responses, answer_format)]
+    numbers = [re.findall(r"-?\d+(?:\.\d+)?", r) for r in responses]
+    answers = [extract_answer(r) if f == "tag" else r.strip() if f == "raw" else (n[-1] if n else None)
+               for r, f, n in zip(responses, answer_format, numbers)]
     return [0.0 if a is None else float(score_answer(a, e)) for a, e in zip(answers, entry)]
 
 

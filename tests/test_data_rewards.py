@@ -109,7 +109,7 @@ RGYM = dict(dataset="reasoning-gym:chain_sum", dataset_options='{"size": 64, "ma
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("answer_format", ["tag", "raw"])
+@pytest.mark.parametrize("answer_format", ["tag", "raw", "number"])
 def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
     import ppo
     import reasoning_gym
@@ -130,8 +130,10 @@ def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
     if answer_format == "tag":  # the last tag counts; an answer outside any tag does not
         texts = [f"<answer>{wrong[0]}</answer> no, <answer>{right[0]}</answer>", f"<answer> {right[1]} </answer>",
                  right[2], f"<answer>{wrong[3]}</answer>"]
-    else:
+    elif answer_format == "raw":
         texts = [right[0], f" {right[1]}\n", wrong[2], ""]  # the whole response, stripped
+    else:  # the last number, a sign included
+        texts = [f"{wrong[0]}, no: it is {right[0]}.", f"= {right[1]}", f"{right[2]} or {wrong[2]}", "none"]
     reward = ppo.load_python(args.reward_fn, "--reward-fn")
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     assert reward([r["prompt"] for r in rows], texts, **columns) == [1.0, 1.0, 0.0, 0.0]
