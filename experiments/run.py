@@ -5,6 +5,7 @@
     python experiments/run.py firstwrong  # after chaincritic: does its critic see a slip coming
     python experiments/run.py guess       # the multi-turn world (guess.py), three seeds
     python experiments/run.py guessbudget guesscut guesssteps guessvalue arena   # issue 27's
+    python experiments/run.py objectives dynamic klloss rgym   # issue 30's (the chain world; SmolLM2)
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -30,6 +31,11 @@
    guessvalue (after guesscut): the critic's value after each reply against the episode's success (AUC).
 14. arena: SmolLM2-135M-Instruct learns TextArena's GuessTheNumber, 3 seeds: games won before and after.
 15. lora: SmolLM2 on its sums task, full fine-tuning against LoRA rank 16, 3 seeds: memory, speed, gain.
+16-18. issue 30, on the chain world, 3 seeds each, two runs at a time, pass@1 and pass@4 at 4 evaluations:
+   objectives: PPO's token ratio, GSPO, CISPO, each with GAE and with GRPO;
+   dynamic: GRPO with DAPO's dynamic sampling and without, against every generated token;
+   klloss: the KL in the reward (k1) against the KL in the loss with k3 and with k2.
+19. rgym: SmolLM2-135M-Instruct on a reasoning-gym task that the screen of six finds it solves sometimes, 3 seeds.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers the README quotes).
 """
@@ -73,9 +79,10 @@ def logged_reward(prompts, responses, **columns):
     return scores
 
 
-def chain_runs(experiment, variants, seeds=(1, 2, 3), parallel=2):
+def chain_runs(experiment, variants, seeds=(1, 2, 3), parallel=2, reward_fn="experiments/run.py:logged_reward"):
     """Every (variant, seed) of a chain-world experiment, `parallel` processes at a time on one thread each.
-    Returns {variant: [(metrics rows, per-update length/verdict lists, seconds) for each seed]}."""
+    Returns {variant: [(metrics rows, per-update length/verdict lists, seconds) for each seed]}; the lists are
+    logged_reward's, empty with another reward_fn (one that evaluates: logged_reward assumes a call an update)."""
     jobs = [(v, seed) for v in variants for seed in seeds]
     running, done = [], {}
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -88,7 +95,7 @@ def chain_runs(experiment, variants, seeds=(1, 2, 3), parallel=2):
             if os.path.exists(log):
                 os.remove(log)
             cmd = [sys.executable, "ppo.py", "--model", "chain", "--run-name", name, "--seed", str(seed),
-                   "--reward-fn", "experiments/run.py:logged_reward", "--sample-every", "0", "--save-every", "0",
+                   "--reward-fn", reward_fn, "--sample-every", "0", "--save-every", "0",
                    *variants[variant]]
             proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env, CHAIN_LOG=log), stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
@@ -100,7 +107,7 @@ def chain_runs(experiment, variants, seeds=(1, 2, 3), parallel=2):
             if proc.returncode != 0:
                 sys.exit(f"{name} failed: {proc.stderr.read()[-2000:]}")
             rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
-            verdicts = [json.loads(line) for line in open(log)]
+            verdicts = [json.loads(line) for line in open(log)] if os.path.exists(log) else [{}] * len(rows)
             done.setdefault(variant, []).append((rows, verdicts, time.perf_counter() - t0))
             print(f"{name}: {len(rows)} updates in {time.perf_counter() - t0:.0f} s, accuracy of the last 10 "
                   f"{np.mean([r['objective/reward_fn'] for r in rows[-10:]]):.2f}", flush=True)
@@ -292,6 +299,154 @@ def truncation():
         ax.set_title(title), ax.set_xlabel("update")
     axes[0].legend(fontsize=7)
     fig.tight_layout(), fig.savefig(os.path.join(HERE, "truncation.png"), dpi=80)
+    return out
+
+
+def objective_summary(r):
+    """Issue 30's figures of one variant's seeds: final accuracy (last 10 updates), generated tokens to a smoothed
+    accuracy of 0.8 (every round's, with --dynamic-sampling), the last evaluation's pass@1 and pass@4, and the
+    KL to the reference as k1 estimates it (last 10 updates)."""
+    acc = curve(r, accuracy)
+    reach = [next((int(t) for t, a in zip(np.cumsum([row["time/generated_tokens"] for row in rows]), smooth(acc[i]))
+                   if a >= 0.8), None) for i, (rows, _, _) in enumerate(r)]
+    last_eval = [[row for row in rows if "eval/pass@1" in row][-1] for rows, _, _ in r]
+    return {**summarise(r), "tokens_to_accuracy_0.8_per_seed": reach,
+            "generated_tokens_per_seed": [int(sum(row["time/generated_tokens"] for row in rows)) for rows, _, _ in r],
+            **{f"pass@{k}_per_seed": [e[f"eval/pass@{k}"] for e in last_eval] for k in (1, 4)},
+            "kl_k1_last10_per_seed": [float(np.mean([row["objective/kl_k1"] for row in rows[-10:]])) for rows, _, _ in r]}
+
+
+def objective_plot(runs, panels, path):
+    """Accuracy against generated tokens, one panel per group of variants, and the KL to the reference per update."""
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 3.6))
+    for ax, (title, names) in zip(axes, panels):
+        for name in names:
+            tokens = np.cumsum(curve(runs[name], lambda row, v: row["time/generated_tokens"]), 1).mean(0)
+            spread_plot(ax, tokens, curve(runs[name], accuracy), name)
+        ax.set_title(title), ax.set_xlabel("tokens generated"), ax.set_ylabel("accuracy"), ax.legend(fontsize=7)
+    for name, r in runs.items():
+        spread_plot(axes[-1], np.arange(1, len(r[0][0]) + 1), curve(r, lambda row, v: row["objective/kl_k1"]), name)
+    axes[-1].set_title("KL to the reference (k1, summed per response)"), axes[-1].set_xlabel("update")
+    axes[-1].legend(fontsize=6)
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, path), dpi=80)
+
+
+EVAL = ["--eval-every", "20", "--eval-size", "32", "--eval-samples", "4"]  # pass@1..4 at updates 20, 40, 60, 80
+
+
+def objectives():
+    """Issue 30: PPO's token ratio against GSPO's sequence ratio and CISPO's clipped weight (veRL's formulas, each
+    with its own default clip), each with the critic (GAE) and with GRPO (8 samples a prompt), 80 updates."""
+    base = [*updates("budget"), *EVAL]
+    grpo = ["--adv-estimator", "grpo", "--group-size", "8"]
+    variants = {f"{adv}_{loss}": [*base, *(grpo if adv == "grpo" else []), "--policy-loss", loss]
+                for adv in ("gae", "grpo") for loss in ("ppo", "gspo", "cispo")}
+    runs = chain_runs("objectives", variants, reward_fn="chain:reward")
+    objective_plot(runs, [("with the critic (GAE)", ["gae_ppo", "gae_gspo", "gae_cispo"]),
+                          ("GRPO, 8 a prompt", ["grpo_ppo", "grpo_gspo", "grpo_cispo"])], "objectives.png")
+    return {name: objective_summary(r) for name, r in runs.items()}
+
+
+def dynamic():
+    """Issue 30: GRPO (8 a prompt, PPO's token ratio) with DAPO's dynamic sampling and without: it generates more
+    than it trains on, so accuracy is counted against every round's tokens."""
+    base = [*updates("budget"), *EVAL, "--adv-estimator", "grpo", "--group-size", "8"]
+    runs = chain_runs("dynamic", {"grpo": base, "grpo_dynamic": [*base, "--dynamic-sampling"]}, reward_fn="chain:reward")
+    objective_plot(runs, [("GRPO, 8 a prompt", ["grpo", "grpo_dynamic"])], "dynamic.png")
+    out = {name: objective_summary(r) for name, r in runs.items()}
+    for name in out:  # what the filter did
+        out[name]["dropped_mean_per_seed"] = [float(np.mean([row.get("sampling/dropped", 0) for row in rows]))
+                                              for rows, _, _ in runs[name]]
+    return out
+
+
+def kl_in_loss():
+    """Issue 30: the KL to the reference as a loss term with k3 (GRPO's) and k2 (the reverse KL's gradient) against
+    the KL in the reward (k1, the default), GRPO 8 a prompt, beta 0.05 in each: the KL (k1) over updates."""
+    base = [*updates("budget"), *EVAL, "--adv-estimator", "grpo", "--group-size", "8"]
+    variants = {"in_reward_k1": base, "in_loss_k3": [*base, "--kl-in-loss", "--kl-estimator", "k3"],
+                "in_loss_k2": [*base, "--kl-in-loss", "--kl-estimator", "k2"]}
+    runs = chain_runs("klloss", variants, reward_fn="chain:reward")
+    objective_plot(runs, [("GRPO, 8 a prompt, beta 0.05", list(variants))], "klloss.png")
+    return {name: objective_summary(r) for name, r in runs.items()}
+
+
+RGYM_SCREEN = {  # short-answer tasks, their options (small numbers: a 135M model), each in both answer formats
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}, "basic_arithmetic": {"min_terms": 2,
+    "max_terms": 2, "min_digits": 1, "max_digits": 1}, "leg_counting": {"min_animals": 1, "max_animals": 2}, "gcd": {"max_value": 20},
+    "letter_counting": {"min_words": 3, "max_words": 5}, "spell_backward": {"min_word_len": 3, "max_word_len": 4}}
+RGYM_FLAGS = ["--adv-estimator", "grpo", "--group-size", "4", "--batch-size", "16", "--micro-batch-size", "8",
+              "--response-length", "24", "--num-ppo-epochs", "1", "--num-minibatches", "2", "--learning-rate", "2e-5",
+              "--total-episodes", str(16 * 25), "--eval-every", "5", "--eval-size", "32", "--eval-samples", "4"]
+
+
+FORMATS = ("raw", "tag", "number")  # --answer-format's
+
+
+def rgym_screen(model, n=64):
+    """Issue 30's screen: SmolLM2-135M-Instruct's share of fully right answers on n prompts of each task, sampled
+    at the training temperature (0.7) through the chat template, scored by the task's own score_answer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    sys.path.insert(0, ROOT)
+    import ppo
+    tok = AutoTokenizer.from_pretrained(model, padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(model).eval()
+    stop = ppo.stop_token_ids(tok, policy.generation_config)
+    out = {}
+    for task, options in RGYM_SCREEN.items():
+        for fmt in FORMATS:
+            args = ppo.Args(dataset=f"reasoning-gym:{task}", dataset_options=json.dumps({**options, "size": n}),
+                            answer_format=fmt)
+            rows = ppo.load_prompt_rows(args)[0]
+            ids = [ppo.render_prompt(tok, r["prompt"]) for r in rows]
+            torch.manual_seed(0)
+            with torch.no_grad():
+                enc = tok.pad({"input_ids": ids}, return_tensors="pt")
+                gen = policy.generate(**enc, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=24,
+                                      eos_token_id=stop, pad_token_id=0)[:, enc.input_ids.shape[1]:]
+            texts = tok.batch_decode(gen, skip_special_tokens=True)
+            columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+            scores = ppo.reasoning_gym_reward(None, texts, **columns)
+            out[f"{task} {fmt}"] = {"right": float(np.mean([s >= 1.0 for s in scores])),
+                                    "mean_score": float(np.mean(scores)), "example": texts[0][:80]}
+            print(task, fmt, out[f"{task} {fmt}"], flush=True)
+    return out
+
+
+def rgym():
+    """Issue 30: SmolLM2-135M-Instruct (smollm2.py, offline) on the reasoning-gym task the screen picks (the one
+    nearest 30% right among those between 10% and 50%), 3 seeds of 25 updates: accuracy and pass@k per update."""
+    sys.path.insert(0, ROOT)
+    import smollm2
+    model, _ = smollm2.build(os.path.join(ROOT, smollm2.ROOT))
+    screen = rgym_screen(model)
+    fits = {k: v["right"] for k, v in screen.items() if 0.10 <= v["right"] <= 0.50}
+    if not fits:
+        return {"screen": screen, "picked": None}
+    picked = min(fits, key=lambda k: abs(fits[k] - 0.3))
+    task, fmt = picked.split()
+    flags = ["--model", model, "--dataset", f"reasoning-gym:{task}", "--dataset-options",
+             json.dumps(RGYM_SCREEN[task]), "--answer-format", fmt, *RGYM_FLAGS]
+    out, fig, axes = {"screen": screen, "picked": picked}, *plt.subplots(1, 2, figsize=(10, 3.4))
+    for seed in (1, 2, 3):
+        rows, seconds = train(f"exp_rgym_s{seed}", *flags, "--seed", str(seed))
+        acc = [r["objective/reward_fn"] for r in rows]
+        evals = [r for r in rows if "eval/pass@1" in r]
+        out[f"seed={seed}"] = {"reward_first5": float(np.mean(acc[:5])), "reward_last5": float(np.mean(acc[-5:])),
+                               "pass@1": [e["eval/pass@1"] for e in evals], "pass@4": [e["eval/pass@4"] for e in evals],
+                               "eval_steps": [e["step"] for e in evals], "seconds": seconds,
+                               "median_s_per_update": float(np.median([r["time/rollout_s"] + r["time/update_s"]
+                                                                       for r in rows])),
+                               "peak_mb": max(r["mem/peak_mb"] for r in rows)}
+        print(seed, out[f"seed={seed}"], flush=True)
+        axes[0].plot(np.arange(1, len(acc) + 1), acc, color=f"C{seed}", lw=1, label=f"seed {seed}")
+        for k, style in ((1, "-"), (4, "--")):
+            axes[1].plot([e["step"] for e in evals], [e[f"eval/pass@{k}"] for e in evals], style, color=f"C{seed}",
+                         label=f"pass@{k} seed {seed}")
+    axes[0].set_title(f"{picked}: mean reward of the batch"), axes[0].set_xlabel("update")
+    axes[1].set_title("evaluation, 32 prompts x 4 samples"), axes[1].set_xlabel("update"), axes[1].legend(fontsize=6)
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, "rgym.png"), dpi=80)
     return out
 
 
@@ -627,7 +782,8 @@ if __name__ == "__main__":
                      ("budget", budget), ("truncation", truncation), ("firstwrong", first_wrong_step),
                      ("guess", guess_world), ("guessbudget", guess_budget), ("guesscut", guess_cut),
                      ("guesssteps", guess_steps), ("guessvalue", guess_value), ("arena", arena),
-                     ("lora", lora_smollm2)):
+                     ("lora", lora_smollm2), ("objectives", objectives), ("dynamic", dynamic),
+                     ("klloss", kl_in_loss), ("rgym", rgym)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
