@@ -406,21 +406,21 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def refill_order(update, round, n_rows, args, rank, local_batch):
-    """--dynamic-sampling's prompt rows for refill round `round` of an update, laid out as `prompt_order`'s, from a
-    numpy generator of their own seeded by (seed, update, round): the main prompt stream, and where a resumed run
+def refill_order(update, refill, n_rows, args, rank, local_batch):
+    """--dynamic-sampling's prompt rows for refill round `refill` of an update, laid out as `prompt_order`'s, from a
+    numpy generator of their own seeded by (seed, update, refill): the main prompt stream, and where a resumed run
     finds itself in it, stay as they are without the flag."""
     n_prompts = args.batch_size // args.group_size
-    order = np.random.default_rng([args.seed, update, round]).choice(n_rows, n_prompts, replace=n_rows < n_prompts)
+    order = np.random.default_rng([args.seed, update, refill]).choice(n_rows, n_prompts, replace=n_rows < n_prompts)
     batch_idx = np.repeat(order, args.group_size)  # (B,): groups side by side
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def env_seeds(args, update, rank, n, evaluation=False, round=0):
+def env_seeds(args, update, rank, n, evaluation=False, refill=0):
     """This rank's episode seeds of an update, from (seed, update, rank) alone, so a resumed run replays the
     same episodes; in training a group's G episodes share theirs (the same task, G tries). A refill round of
     --dynamic-sampling adds its number to the key."""
-    key = [args.seed, update, rank, int(evaluation)] + ([round] if round else [])
+    key = [args.seed, update, rank, int(evaluation)] + ([refill] if refill else [])
     seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
     group = 1 if evaluation else args.group_size
     return [int(s) for s in seeds[np.arange(n) // group * group]]
@@ -574,10 +574,10 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
     rank, world = rank_and_world()
     G, B = args.group_size, len(batch.lengths)
     kept, first, have, groups, tokens = [], batch, 0, 0, 0
-    for round in range(args.dynamic_sampling_rounds + 1):
-        if round > 0:
-            idx = refill_order(update, round, len(rows), args, rank, B)  # (B,)
-            batch = sample(models, args, rows, prompt_ids, idx, env_seeds(args, update, rank, B, round=round), micro,
+    for refill in range(args.dynamic_sampling_rounds + 1):  # 0: the batch as it came
+        if refill > 0:
+            idx = refill_order(update, refill, len(rows), args, rank, B)  # (B,)
+            batch = sample(models, args, rows, prompt_ids, idx, env_seeds(args, update, rank, B, refill=refill), micro,
                            amp, device, llm)
         s = long_responses(batch.scores, batch.has_eos, batch.lengths, None, args)[0].view(-1, G)  # (B / G, G)
         signal = torch.nonzero((s != s[:, :1]).any(1)).squeeze(1)  # (n,): the groups whose scores differ
@@ -587,7 +587,7 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
         if full == B // G:
             break
     n_groups, n_signal, n_tokens = global_sum(torch.tensor([groups, have, tokens], device=device)).tolist()
-    metrics = {"sampling/dropped": 1 - n_signal / n_groups, "sampling/rounds": round,
+    metrics = {"sampling/dropped": 1 - n_signal / n_groups, "sampling/rounds": refill,
                "sampling/trained_groups": full * world, "time/generated_tokens": n_tokens}
     if full == 0:
         return first, metrics
