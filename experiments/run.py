@@ -428,9 +428,17 @@ def rgym():
     task, fmt = picked.split()
     flags = ["--model", model, "--dataset", f"reasoning-gym:{task}", "--dataset-options",
              json.dumps(RGYM_SCREEN[task]), "--answer-format", fmt, *RGYM_FLAGS]
+    for seed in (1, 2, 3):
+        train(f"exp_rgym_s{seed}", *flags, "--seed", str(seed))
+    return rgym_summary(screen, picked)
+
+
+def rgym_summary(screen, picked):
+    """rgym's figures and plot from its three runs' metrics (runs/exp_rgym_s1..3)."""
     out, fig, axes = {"screen": screen, "picked": picked}, *plt.subplots(1, 2, figsize=(10, 3.4))
     for seed in (1, 2, 3):
-        rows, seconds = train(f"exp_rgym_s{seed}", *flags, "--seed", str(seed))
+        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", f"exp_rgym_s{seed}", "metrics.jsonl"))]
+        seconds = sum(r["time/rollout_s"] + r["time/update_s"] + r["time/log_s"] for r in rows)
         acc = [r["objective/reward_fn"] for r in rows]
         evals = [r for r in rows if "eval/pass@1" in r]
         out[f"seed={seed}"] = {"reward_first5": float(np.mean(acc[:5])), "reward_last5": float(np.mean(acc[-5:])),
