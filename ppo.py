@@ -2628,9 +2628,9 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
                         for n, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
     right = np.array(passed, dtype=int).reshape(len(mine), k).sum(1)  # (prompts,): how many of its k passed
     pass_sums = torch.tensor([sum(pass_at_k(k, int(c), j) for c in right) for j in range(1, k + 1)], device=device)
-    responses, prompts = global_sum(torch.tensor([float(len(rows)), float(len(mine))], device=device)).tolist()
-    row = {name: global_sum(torch.tensor(v, device=device)).item() / max(responses, 1) for name, v in sums.items()}
-    row.update({f"eval/pass@{j + 1}": v / max(prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
+    n_responses, n_prompts = global_sum(torch.tensor([float(len(rows)), float(len(mine))], device=device)).tolist()
+    row = {name: global_sum(torch.tensor(v, device=device)).item() / max(n_responses, 1) for name, v in sums.items()}
+    row.update({f"eval/pass@{j + 1}": v / max(n_prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
     return row, samples
 
 
