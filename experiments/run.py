@@ -5,7 +5,7 @@
     python experiments/run.py firstwrong  # after chaincritic: does its critic see a slip coming
     python experiments/run.py guess       # the multi-turn world (guess.py), three seeds
     python experiments/run.py guessbudget guesscut guesssteps guessvalue arena   # issue 27's
-    python experiments/run.py objectives dynamic klloss rgym   # issue 30's (the chain world; SmolLM2)
+    python experiments/run.py objectives dynamic klloss rgym rgymarms rgymquick   # issue 30's (chain; SmolLM2)
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -36,6 +36,9 @@
    dynamic: GRPO with DAPO's dynamic sampling and without, against every generated token;
    klloss: the KL in the reward (k1) against the KL in the loss with k3 and with k2.
 19. rgym: SmolLM2-135M-Instruct on a reasoning-gym task that the screen of six finds it solves sometimes, 3 seeds.
+20. rgymarms (after rgym): the untrained model's pass@k on its evaluation prompts, then LoRA rank 16 and full
+   fine-tuning at half the rate, 3 seeds each: the gain in pass@1 over the untrained model.
+21. rgymquick (after rgym): rgym's full fine-tuning for 10 updates, 3 seeds, timed as one command.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers the README quotes).
 """
@@ -79,38 +82,50 @@ def logged_reward(prompts, responses, **columns):
     return scores
 
 
-def chain_runs(experiment, variants, seeds=(1, 2, 3), parallel=2, reward_fn="experiments/run.py:logged_reward"):
-    """Every (variant, seed) of a chain-world experiment, `parallel` processes at a time on one thread each.
-    Returns {variant: [(metrics rows, per-update length/verdict lists, seconds) for each seed]}; the lists are
-    logged_reward's, empty with another reward_fn (one that evaluates: logged_reward assumes a call an update)."""
-    jobs = [(v, seed) for v in variants for seed in seeds]
-    running, done = [], {}
+def parallel_runs(jobs, parallel=2):
+    """Fresh ppo.py runs, `parallel` processes at a time on one thread each: jobs is a list of (name, flags,
+    extra environment). Returns {name: (metrics rows, seconds)}."""
+    jobs, running, done = list(jobs), [], {}
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     while jobs or running:
         while jobs and len(running) < parallel:
-            variant, seed = jobs.pop(0)
-            name = f"exp_{experiment}_{variant}_s{seed}"
+            name, flags, extra = jobs.pop(0)
             shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-            log = os.path.join(ROOT, "runs", f"{name}.lengths.jsonl")
-            if os.path.exists(log):
-                os.remove(log)
-            cmd = [sys.executable, "ppo.py", "--model", "chain", "--run-name", name, "--seed", str(seed),
-                   "--reward-fn", reward_fn, "--sample-every", "0", "--save-every", "0",
-                   *variants[variant]]
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env, CHAIN_LOG=log), stdout=subprocess.DEVNULL,
+            cmd = [sys.executable, "ppo.py", "--run-name", name, "--sample-every", "0", "--save-every", "0", *flags]
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env, **extra), stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
-            running.append((proc, variant, name, log, time.perf_counter()))
+            running.append((proc, name, time.perf_counter()))
         time.sleep(1)
         for job in [j for j in running if j[0].poll() is not None]:
             running.remove(job)
-            proc, variant, name, log, t0 = job
+            proc, name, t0 = job
             if proc.returncode != 0:
                 sys.exit(f"{name} failed: {proc.stderr.read()[-2000:]}")
             rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
-            verdicts = [json.loads(line) for line in open(log)] if os.path.exists(log) else [{}] * len(rows)
-            done.setdefault(variant, []).append((rows, verdicts, time.perf_counter() - t0))
-            print(f"{name}: {len(rows)} updates in {time.perf_counter() - t0:.0f} s, accuracy of the last 10 "
+            done[name] = (rows, time.perf_counter() - t0)
+            print(f"{name}: {len(rows)} updates in {done[name][1]:.0f} s, reward of the last 10 "
                   f"{np.mean([r['objective/reward_fn'] for r in rows[-10:]]):.2f}", flush=True)
+    return done
+
+
+def chain_runs(experiment, variants, seeds=(1, 2, 3), parallel=2, reward_fn="experiments/run.py:logged_reward"):
+    """Every (variant, seed) of a chain-world experiment, through parallel_runs.
+    Returns {variant: [(metrics rows, per-update length/verdict lists, seconds) for each seed]}; the lists are
+    logged_reward's, empty with another reward_fn (one that evaluates: logged_reward assumes a call an update)."""
+    jobs, logs = [], {}
+    for variant in variants:
+        for seed in seeds:
+            name = f"exp_{experiment}_{variant}_s{seed}"
+            logs[name] = (variant, os.path.join(ROOT, "runs", f"{name}.lengths.jsonl"))
+            if os.path.exists(logs[name][1]):
+                os.remove(logs[name][1])
+            jobs.append((name, ["--model", "chain", "--seed", str(seed), "--reward-fn", reward_fn, *variants[variant]],
+                         {"CHAIN_LOG": logs[name][1]}))
+    done, finished = {}, parallel_runs(jobs, parallel)
+    for name, (variant, log) in logs.items():  # each variant's seeds in order
+        rows, seconds = finished[name]
+        verdicts = [json.loads(line) for line in open(log)] if os.path.exists(log) else [{}] * len(rows)
+        done.setdefault(variant, []).append((rows, verdicts, seconds))
     return done
 
 
@@ -458,6 +473,96 @@ def rgym_summary(screen, picked):
     return out
 
 
+def override(flags, **values):
+    """A copy of a flag list with some flags' values replaced (learning_rate="1e-5" sets --learning-rate)."""
+    out = list(flags)
+    for key, value in values.items():
+        out[out.index("--" + key.replace("_", "-")) + 1] = value
+    return out
+
+
+RGYM_ARMS = {"full_2e-5": "exp_rgym_s{}", "lora16_2e-4": "exp_rgym_lora16_s{}", "full_1e-5": "exp_rgym_full_1e-5_s{}"}
+
+
+def rgym_flags():
+    """rgym's flags on the task its screen picked (in results.json), and the untrained model's evaluation job: 16
+    samples of each evaluation prompt from a run at learning rate 1e-12, which moves no weight of size above 1e-5
+    by one fp32 step (the evaluation prompts are the same for every seed)."""
+    sys.path.insert(0, ROOT)
+    import smollm2
+    model, _ = smollm2.build(os.path.join(ROOT, smollm2.ROOT))
+    task, fmt = json.load(open(os.path.join(HERE, "results.json")))["rgym"]["picked"].split()
+    flags = ["--model", model, "--dataset", f"reasoning-gym:{task}", "--dataset-options", json.dumps(RGYM_SCREEN[task]),
+             "--answer-format", fmt, *RGYM_FLAGS]
+    base = ("exp_rgym_base", override(flags, learning_rate="1e-12", total_episodes="16", eval_every="1",
+                                      eval_samples="16"), {})
+    return flags, base
+
+
+def rgym_arms():
+    """Issue 30, after rgym and LoRA: the untrained model's evaluation, then LoRA rank 16 at 2e-4 (the 10x of LoRA
+    Without Regret) and full fine-tuning at half rgym's rate (1e-5, against seed 3's collapse), 3 seeds each, two
+    runs at a time; rgym's own three runs are the full 2e-5 arm."""
+    flags, base = rgym_flags()
+    arms = {"lora16_2e-4": [*override(flags, learning_rate="2e-4"), "--lora-rank", "16"],
+            "full_1e-5": override(flags, learning_rate="1e-5")}
+    parallel_runs([base] + [(RGYM_ARMS[arm].format(seed), [*arm_flags, "--seed", str(seed)], {})
+                            for arm, arm_flags in arms.items() for seed in (1, 2, 3)])
+    return rgym_arms_summary()
+
+
+def rgym_quick():
+    """Issue 30's 30-minute target as one command: rgym's full fine-tuning (2e-5) for 10 updates (its learning rate
+    annealed over 10), 3 seeds, with the untrained model's evaluation, two runs at a time: its minutes and gains."""
+    flags, base = rgym_flags()
+    t0 = time.perf_counter()
+    parallel_runs([base] + [(f"exp_rgym10_s{seed}", [*override(flags, total_episodes=str(16 * 10)), "--seed",
+                                                     str(seed)], {}) for seed in (1, 2, 3)])
+    out = {"minutes": (time.perf_counter() - t0) / 60, "base": rgym_base()}
+    out.update(rgym_figures([rows_of(f"exp_rgym10_s{seed}") for seed in (1, 2, 3)], out["base"]))
+    return out
+
+
+def rows_of(name):
+    return [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+
+
+def rgym_base():
+    base = rows_of("exp_rgym_base")[-1]
+    return {**{f"pass@{k}": base[f"eval/pass@{k}"] for k in (1, 4, 16)}, "score": base["eval/reward_fn"]}
+
+
+def rgym_figures(runs, base):
+    """One arm's seeds: pass@1 and pass@4 at each evaluation, the gain in pass@1 from the untrained model to the
+    last evaluation, the mean score there (the task's score_answer, partial credit and all, with no missing-EOS
+    penalty), seconds per update and peak RSS."""
+    evals = [[r for r in rows if "eval/pass@1" in r] for rows in runs]
+    gain = [ev[-1]["eval/pass@1"] - base["pass@1"] for ev in evals]
+    return {"pass@1": [[e["eval/pass@1"] for e in ev] for ev in evals],
+            "pass@4": [[e["eval/pass@4"] for e in ev] for ev in evals], "eval_steps": [e["step"] for e in evals[0]],
+            "score_at_end": [ev[-1]["eval/reward_fn"] for ev in evals], "gain_pass@1": gain,
+            "gain_mean": float(np.mean(gain)), "gain_sd": float(np.std(gain, ddof=1)),
+            "median_s_per_update": [float(np.median([r["time/rollout_s"] + r["time/update_s"] for r in rows]))
+                                    for rows in runs],
+            "peak_mb": [max(r["mem/peak_mb"] for r in rows) for rows in runs]}
+
+
+def rgym_arms_summary():
+    """rgym_arms' figures (rgym_figures for each arm) and plot, from the runs on disk."""
+    out = {"base": rgym_base()}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for arm, pattern in RGYM_ARMS.items():
+        out[arm] = rgym_figures([rows_of(pattern.format(seed)) for seed in (1, 2, 3)], out["base"])
+        for ax, k in zip(axes, (1, 4)):
+            curves = np.array([[out["base"][f"pass@{k}"]] + p for p in out[arm][f"pass@{k}"]])
+            spread_plot(ax, [0] + out[arm]["eval_steps"], curves, arm)
+        print(arm, out[arm], flush=True)
+    for ax, k in zip(axes, (1, 4)):
+        ax.set_title(f"pass@{k}, 32 held-out prompts (0: untrained)", fontsize=9), ax.set_xlabel("update")
+    axes[0].legend(fontsize=7), fig.tight_layout(), fig.savefig(os.path.join(HERE, "rgym_arms.png"), dpi=80)
+    return out
+
+
 def smooth(x, k=5):
     return np.convolve(x, np.ones(k) / k, mode="valid")
 
@@ -791,7 +896,8 @@ if __name__ == "__main__":
                      ("guess", guess_world), ("guessbudget", guess_budget), ("guesscut", guess_cut),
                      ("guesssteps", guess_steps), ("guessvalue", guess_value), ("arena", arena),
                      ("lora", lora_smollm2), ("objectives", objectives), ("dynamic", dynamic),
-                     ("klloss", kl_in_loss), ("rgym", rgym)):
+                     ("klloss", kl_in_loss), ("rgym", rgym), ("rgymarms", rgym_arms),
+                     ("rgymquick", rgym_quick)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
