@@ -59,6 +59,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "experiments")
 
 
+def rows_of(name):
+    """A run's metrics rows (runs/<name>/metrics.jsonl)."""
+    return [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+
+
 def train(name, *flags):
     """One ppo.py run (fresh), its metrics rows and its wall-clock seconds."""
     shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
@@ -66,7 +71,7 @@ def train(name, *flags):
     subprocess.run([sys.executable, "ppo.py", "--run-name", name, "--sample-every", "0", "--save-every", "0", *flags],
                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seconds = time.perf_counter() - t0
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+    rows = rows_of(name)
     print(f"{name}: {len(rows)} updates in {seconds:.0f} s, final score {rows[-1]['objective/scores']:.3f}")
     return rows, seconds
 
@@ -101,7 +106,7 @@ def parallel_runs(jobs, parallel=2):
             proc, name, t0 = job
             if proc.returncode != 0:
                 sys.exit(f"{name} failed: {proc.stderr.read()[-2000:]}")
-            rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+            rows = rows_of(name)
             done[name] = (rows, time.perf_counter() - t0)
             print(f"{name}: {len(rows)} updates in {done[name][1]:.0f} s, reward of the last 10 "
                   f"{np.mean([r['objective/reward_fn'] for r in rows[-10:]]):.2f}", flush=True)
@@ -440,19 +445,23 @@ def rgym():
     if not fits:
         return {"screen": screen, "picked": None}
     picked = min(fits, key=lambda k: abs(fits[k] - 0.3))
-    task, fmt = picked.split()
-    flags = ["--model", model, "--dataset", f"reasoning-gym:{task}", "--dataset-options",
-             json.dumps(RGYM_SCREEN[task]), "--answer-format", fmt, *RGYM_FLAGS]
     for seed in (1, 2, 3):
-        train(f"exp_rgym_s{seed}", *flags, "--seed", str(seed))
+        train(f"exp_rgym_s{seed}", *rgym_task_flags(model, picked), "--seed", str(seed))
     return rgym_summary(screen, picked)
+
+
+def rgym_task_flags(model, picked):
+    """rgym's flags on a screened task ("gcd number": the task and its answer format)."""
+    task, fmt = picked.split()
+    return ["--model", model, "--dataset", f"reasoning-gym:{task}", "--dataset-options", json.dumps(RGYM_SCREEN[task]),
+            "--answer-format", fmt, *RGYM_FLAGS]
 
 
 def rgym_summary(screen, picked):
     """rgym's figures and plot from its three runs' metrics (runs/exp_rgym_s1..3)."""
     out, fig, axes = {"screen": screen, "picked": picked}, *plt.subplots(1, 2, figsize=(10, 3.4))
     for seed in (1, 2, 3):
-        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", f"exp_rgym_s{seed}", "metrics.jsonl"))]
+        rows = rows_of(f"exp_rgym_s{seed}")
         seconds = sum(r["time/rollout_s"] + r["time/update_s"] + r["time/log_s"] for r in rows)
         acc = [r["objective/reward_fn"] for r in rows]
         evals = [r for r in rows if "eval/pass@1" in r]
@@ -491,9 +500,7 @@ def rgym_flags():
     sys.path.insert(0, ROOT)
     import smollm2
     model, _ = smollm2.build(os.path.join(ROOT, smollm2.ROOT))
-    task, fmt = json.load(open(os.path.join(HERE, "results.json")))["rgym"]["picked"].split()
-    flags = ["--model", model, "--dataset", f"reasoning-gym:{task}", "--dataset-options", json.dumps(RGYM_SCREEN[task]),
-             "--answer-format", fmt, *RGYM_FLAGS]
+    flags = rgym_task_flags(model, json.load(open(os.path.join(HERE, "results.json")))["rgym"]["picked"])
     base = ("exp_rgym_base", override(flags, learning_rate="1e-12", total_episodes="16", eval_every="1",
                                       eval_samples="16"), {})
     return flags, base
@@ -521,10 +528,6 @@ def rgym_quick():
     out = {"minutes": (time.perf_counter() - t0) / 60, "base": rgym_base()}
     out.update(rgym_figures([rows_of(f"exp_rgym10_s{seed}") for seed in (1, 2, 3)], out["base"]))
     return out
-
-
-def rows_of(name):
-    return [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
 
 
 def rgym_base():
