@@ -1932,9 +1932,12 @@ def own_rng(device):
 def load_prompts(args, tokenizer, log, env=None):
     """Training and evaluation rows (dicts: the prompt and any other columns) and their token ids,
     and the PPO-ptx texts' ids (empty without --ptx-coef)."""
-    prompt_rows, eval_rows = load_prompt_rows(args, env)
+    prompt_rows, eval_rows = load_prompt_rows(args, env, log)
     if not prompt_rows:
         fail("the prompt set is empty: check --dataset and --train-split")
+    if args.eval_every and len(eval_rows) < rank_and_world()[1]:  # (each rank evaluates its share, all the same size)
+        fail(f"--eval-every {args.eval_every}: {len(eval_rows)} evaluation prompts for {rank_and_world()[1]} rank(s), "
+             "nothing to evaluate: give --eval-split, raise --eval-fraction or --eval-size, or drop --eval-every")
     if env is not None:  # an env's first observation is its prompt, rendered in each episode (`play`)
         return prompt_rows, None, eval_rows, list(range(len(eval_rows))), []
     for i, row in enumerate(prompt_rows + eval_rows):
@@ -1964,8 +1967,10 @@ def load_prompts(args, tokenizer, log, env=None):
     return prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids
 
 
-def load_prompt_rows(args, env=None):
-    """Training and evaluation rows (dicts: the prompt column and any others, e.g. a reference answer)."""
+def load_prompt_rows(args, env=None, log=print):
+    """Training and evaluation rows (dicts: the prompt column and any others, e.g. a reference answer). Where both
+    come from one source, no evaluation question is a training question (`hold_out`), but in the closed worlds: the
+    toy's 32 prompts and an env's rows, whose episodes its seeds draw."""
     if args.dataset is None and env is not None:  # the env's own rows
         if not callable(getattr(env, "rows", None)):
             fail(f"--env {args.env} has no rows: pass --dataset, or give the class a static rows(n, seed)")
@@ -1975,10 +1980,13 @@ def load_prompt_rows(args, env=None):
         return rows
     if args.dataset is None:  # a built-in world's prompts (the toy's for any other --model)
         world = importlib.import_module(args.model if args.model in WORLDS else "toy")
-        return ([{"prompt": p} for p in world.prompts(2048, seed=1234)],
-                [{"prompt": p} for p in world.prompts(args.eval_size, seed=4321)])
+        train, candidates = ([{"prompt": p} for p in world.prompts(n, seed=s)]
+                             for n, s in ((2048, 1234), (2 * args.eval_size, 4321)))
+        if getattr(world, "CLOSED", False):  # every prompt is a training prompt: evaluation reuses them
+            return train, candidates[:args.eval_size]
+        return generated_split(train, candidates, args, log)
     if args.dataset.startswith("reasoning-gym:"):
-        return reasoning_gym_rows(args, args.dataset)
+        return generated_split(*reasoning_gym_rows(args, args.dataset), args, log)
     import datasets
     ext = os.path.splitext(args.dataset)[1]
     local = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(ext)
@@ -1996,24 +2004,55 @@ def load_prompt_rows(args, env=None):
         fail(f"--dataset {args.dataset!r} (split {args.train_split!r}) cannot be loaded: {reason(e)}")
     if args.prompt_column not in train.column_names and env is None:
         fail(f"--dataset has no column {args.prompt_column!r} (it has {train.column_names}): set --prompt-column")
-    if args.eval_split is not None:
-        held_out = ds[args.eval_split]
-    elif args.eval_fraction > 0 and len(train) > 1:
-        parts = train.train_test_split(test_size=args.eval_fraction, seed=args.seed)
-        train, held_out = parts["train"], parts["test"]
-    else:
-        held_out = train.select([])
-    held_out = held_out.select(range(min(args.eval_size, len(held_out))))
     try:  # the rows are decoded only here
-        return ([dict(r, prompt=r.get(args.prompt_column)) for r in train],
-                [dict(r, prompt=r.get(args.prompt_column)) for r in held_out])
+        train = [dict(r, prompt=r.get(args.prompt_column)) for r in train]
+        if args.eval_split is not None:
+            return train, [dict(r, prompt=r.get(args.prompt_column)) for r in ds[args.eval_split]][:args.eval_size]
     except UnicodeDecodeError as e:
         fail(f"--dataset {args.dataset!r} cannot be loaded: it is not UTF-8 text ({reason(e)})")
+    # --eval-fraction of the distinct prompts, drawn by --seed (a file may repeat a prompt: sums.jsonl has 2,000 rows
+    # and 436 prompts, and a split by rows would put most evaluation prompts in training too)
+    first = {}  # question -> its first row
+    for r in train:
+        first.setdefault(question(r), r)
+    n = math.ceil(args.eval_fraction * len(first)) if len(first) > 1 else 0
+    drawn, rows = np.random.default_rng(args.seed).permutation(len(first))[:n], list(first.values())
+    return hold_out(train, [rows[i] for i in drawn], min(n, args.eval_size))
+
+
+def question(row):
+    """What makes two prompt rows one question: reasoning-gym's question text, else the prompt (a string, or
+    chat messages as JSON), else the whole row (an env's task)."""
+    q = row["entry"]["question"] if "entry" in row else row.get("prompt")
+    return q if isinstance(q, str) else json.dumps(row if q is None else q, sort_keys=True, default=str)
+
+
+def hold_out(train, candidates, limit):
+    """Evaluation rows that share no question with training: the first `limit` distinct questions of `candidates`,
+    one row each; every training row of those questions is dropped."""
+    held, taken = [], set()
+    for r in candidates:
+        if len(held) < limit and question(r) not in taken:
+            held.append(r)
+            taken.add(question(r))
+    return [r for r in train if question(r) not in taken], held
+
+
+def generated_split(train, candidates, args, log):
+    """A generator's evaluation rows (the chain world, reasoning-gym): the first --eval-size distinct questions it
+    draws for evaluation, taken out of training, but at most half of all the questions seen, so that a small space
+    (gcd up to 20 has 400, and 2,048 training rows cover 364) keeps a fixed share for each."""
+    space = len({question(r) for r in train + candidates})
+    train, held = hold_out(train, candidates, min(args.eval_size, space // 2))
+    if len(held) < args.eval_size and args.eval_every:
+        log(f"warning: {len(held)} distinct evaluation questions, fewer than --eval-size {args.eval_size}: the task "
+            f"drew {space} questions in all, and half stay for training")
+    return train, held
 
 
 def reasoning_gym_rows(args, spec):
-    """--dataset reasoning-gym:NAME: training and evaluation rows of a procedural task, generated here (no file,
-    no network). Each prompt is one user message, the task's question and the instruction --answer-format asks
+    """--dataset reasoning-gym:NAME: training rows and evaluation candidates of a procedural task, generated here (no
+    file, no network). Each prompt is one user message, the task's question and the instruction --answer-format asks
     for; the row keeps the task's entry, which `reasoning_gym_reward` scores with the task's own score_answer."""
     try:
         import reasoning_gym
@@ -2026,9 +2065,9 @@ def reasoning_gym_rows(args, spec):
     except (ValueError, AssertionError) as e:
         fail(f"--dataset-options {args.dataset_options!r} is not a JSON object of the generator's options ({e})")
     size, seed = options.pop("size", 2048), options.pop("seed", 1234)
-    try:  # the evaluation rows from the next seed
+    try:  # item i comes from Random(seed + i): the evaluation's candidates from the seeds after training's
         train, held_out = (reasoning_gym.create_dataset(name, size=n, seed=s, **options)
-                           for n, s in ((size, seed), (args.eval_size, seed + 1)))
+                           for n, s in ((size, seed), (2 * args.eval_size, seed + size)))
     except Exception as e:  # an unknown task, an option it does not take: one line
         fail(f"--dataset {spec!r} with options {options} cannot be generated ({type(e).__name__}: {reason(e)}); "
              "the tasks: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))'")
@@ -2938,7 +2977,7 @@ def checkpoint_damage(path):
 # to extend a run; the learning-rate decay then follows the new length)
 RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
                      "logprob_chunk", "micro_batch_tokens",
-                     "sample_every", "eval_every", "eval_greedy", "eval_size", "eval_samples", "pass_threshold",
+                     "sample_every", "eval_every", "eval_greedy", "eval_samples", "pass_threshold",
                      "keep_best", "save_every",
                      "keep_checkpoints", "max_nonfinite_steps", "micro_batch_size", "gradient_checkpointing",
                      "shard_frozen", "offload_frozen", "precision", "vllm", "vllm_gpu_memory_utilization",

@@ -64,6 +64,9 @@ def gold_reward(prompts, responses, **columns) -> list[float]:
     return [gold(r + " <eos>") for r in responses]
 
 
+CLOSED = True  # 32 prompts in all, each among the training rows: ppo.py evaluates on training prompts here
+
+
 def prompts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [rng.choice(TEMPLATES).format(rng.choice(NOUNS)) for _ in range(n)]

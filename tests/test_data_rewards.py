@@ -117,13 +117,13 @@ def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
     ppo.check_args(args, 1)
     assert args.reward_fn == "ppo:reasoning_gym_reward"
     train, held_out = ppo.load_prompt_rows(args)
-    assert len(train) == 64 and len(held_out) == 16
+    assert len(held_out) == 16
     ask = ppo.ANSWER_FORMATS[answer_format]
     assert all(r["prompt"][0]["role"] == "user" and r["prompt"][0]["content"].endswith(ask) for r in train)
-    # the library's own rows (seed 1234; the evaluation's from 1235), its own scorer
+    # the library's own rows (seed 1234), those of the evaluation's questions left out; its own scorer
     own = reasoning_gym.create_dataset("chain_sum", size=64, seed=1234, max_terms=2, max_digits=1)
-    assert [r["entry"]["question"] for r in train] == [e["question"] for e in own]
-    assert [r["entry"]["question"] for r in held_out] != [e["question"] for e in own][:16]
+    asked = {r["entry"]["question"] for r in held_out}
+    assert [r["entry"]["question"] for r in train] == [e["question"] for e in own if e["question"] not in asked]
     rows = train[:4]
     right = [r["answer"] for r in rows]
     wrong = [str(int(a) + 1) for a in right]
@@ -137,6 +137,67 @@ def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
     reward = ppo.load_python(args.reward_fn, "--reward-fn")
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     assert reward([r["prompt"] for r in rows], texts, **columns) == [1.0, 1.0, 0.0, 0.0]
+
+
+# the README's tasks (gcd and chain_sum, with its options) and three it does not use, at the default 2,048 rows
+HELD_OUT_TASKS = [("gcd", {"max_value": 20}), ("chain_sum", {"min_terms": 2, "max_terms": 2, "max_digits": 1}),
+                  ("basic_arithmetic", {}), ("leg_counting", {}), ("spell_backward", {})]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("task, options", HELD_OUT_TASKS)
+def test_no_evaluation_question_is_a_training_question(task, options):
+    """reasoning-gym builds item i from Random(seed + i): evaluation rows from seed + 1 were training rows shifted by
+    one. Now no evaluation question is among the rows a run can draw, and --eval-size of them are evaluated."""
+    import ppo
+    args = ppo.Args(dataset=f"reasoning-gym:{task}", dataset_options=json.dumps(options), eval_size=32, eval_every=5)
+    train, held_out = ppo.load_prompt_rows(args)
+    asked = [r["entry"]["question"] for r in held_out]
+    assert len(set(asked)) == len(asked) == 32
+    assert not set(asked) & {r["entry"]["question"] for r in train}
+    assert len(train) >= 2048 * 0.8  # a few questions' rows left out, not the task
+
+
+@pytest.mark.fast
+def test_a_small_space_keeps_a_share_for_each_and_says_so():
+    import ppo
+    said = []
+    args = ppo.Args(dataset="reasoning-gym:gcd", dataset_options='{"min_value": 1, "max_value": 4}', eval_size=32,
+                    eval_every=1)  # 16 questions in all
+    train, held_out = ppo.load_prompt_rows(args, log=said.append)
+    questions = {r["entry"]["question"] for r in train}
+    assert len(held_out) == 8 and len(questions) == 8 and not questions & {r["entry"]["question"] for r in held_out}
+    assert len(said) == 1 and "8 distinct evaluation questions, fewer than --eval-size 32" in said[0]
+    said.clear()  # without evaluation nothing is said, and the training rows are the same
+    assert ppo.load_prompt_rows(ppo.Args(**dict(vars(args), eval_every=0)), log=said.append)[0] == train and not said
+
+
+@pytest.mark.fast
+def test_the_chain_world_and_a_file_split_by_question(tmp_path, world):
+    import ppo
+    train, held_out = ppo.load_prompt_rows(ppo.Args(model="chain", eval_size=64))
+    assert len(held_out) == 64 and not {r["prompt"] for r in held_out} & {r["prompt"] for r in train}
+    rows = [{"prompt": f"{a} + {b} =", "answer": a + b} for a in range(10) for b in range(10)] * 20  # 100 prompts
+    with open(tmp_path / "sums.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in np.random.default_rng(0).permutation(rows).tolist())
+    train, held_out = ppo.load_prompt_rows(ppo.Args(dataset=str(tmp_path / "sums.jsonl"), eval_fraction=0.1))
+    asked = [r["prompt"] for r in held_out]
+    assert len(set(asked)) == len(asked) == 10 and len(train) == 2000 - 10 * 20
+    assert not set(asked) & {r["prompt"] for r in train}
+    # the toy world is closed (32 prompts): its evaluation prompts are training prompts, as the docs say
+    train, held_out = ppo.load_prompt_rows(ppo.Args(eval_size=8))
+    assert len(held_out) == 8 and {r["prompt"] for r in held_out} <= {r["prompt"] for r in train}
+
+
+@pytest.mark.fast
+def test_evaluation_without_evaluation_prompts_is_refused(tmp_path, world):
+    import ppo
+    from transformers import AutoTokenizer
+    with open(tmp_path / "one.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": "the movie was"}) + "\n" for _ in range(8))  # one prompt, 8 rows
+    tok = AutoTokenizer.from_pretrained(world[0], padding_side="left")
+    with pytest.raises(ppo.UsageError, match="0 evaluation prompts for 1 rank"):
+        ppo.load_prompts(ppo.Args(dataset=str(tmp_path / "one.jsonl"), eval_every=1), tok, print)
 
 
 @pytest.mark.fast
