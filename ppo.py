@@ -1823,7 +1823,7 @@ def lora_layers(model):
 
 def merged(named, layers):
     """(name, tensor) pairs of an adapted model as a plain checkpoint's: each adapted weight W + scale * B A
-    under its plain name, the adapters' own tensors left out; the rest as it is. A and B are taken from the
+    under its plain name, in fp32, the adapters' own tensors left out; the rest as it is. A and B are taken from the
     pairs themselves, not from the layers (under FSDP2 those hold shards); a layer's W, A and B come one
     after another, so no more than one layer's wait to be merged at a time."""
     waiting = {}  # adapted layer -> the parts of W + scale * B A seen so far
@@ -1838,7 +1838,10 @@ def merged(named, layers):
                 del waiting[owner]
                 W, B, A = parts["W"], parts["B"], parts["A"]
                 delta = B.float() @ A.float()  # (out, in)
-                yield f"{owner}.weight", (W.float() + layers[owner].scaling["default"] * delta).to(W.dtype)
+                if layers[owner].fan_in_fan_out:  # GPT-2's Conv1D stores its weight as (in, out)
+                    delta = delta.T
+                # in fp32 whatever W is stored in: on a bf16 W, a small update (|dW| / |W| = 1e-3) rounds mostly away
+                yield f"{owner}.weight", W.float() + layers[owner].scaling["default"] * delta
         elif base and owner in layers:
             yield f"{owner}.{leaf}", value  # the bias
         elif ".lora_" not in name:
@@ -2767,7 +2770,8 @@ def save_models(path, models, as_stored=False, adapters_only=False):
     """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards by every
     rank and written by rank 0: in fp32, as they train (checkpoints: an exact resume), or `as_stored`, in
     the dtype each checkpoint came in (the final and best models: a bf16 hub model stays bf16). LoRA: the
-    adapters too, and with `adapters_only` (checkpoints: resume reads the base from --model) only them."""
+    adapters too, and with `adapters_only` (checkpoints: resume reads the base from --model) only them; the
+    merged model in fp32, whatever its base came in."""
     policy, critic = models.policy, models.critic
     policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
     if rank_and_world()[0] == 0:
@@ -2785,6 +2789,7 @@ def save_models(path, models, as_stored=False, adapters_only=False):
                 if adapters_only:
                     continue
                 state = dict(merged((state or model.state_dict()).items(), lora_layers(model)))
+                dtype = torch.float32  # W + s B A: cast to a bf16 checkpoint's dtype, the update would round away
             save_in_dtype(model, os.path.join(path, name), state, dtype)
         models.shipped_generation_config.save_pretrained(os.path.join(path, "policy"))  # not the run's sampler
         models.shipped_tokenizer.save_pretrained(os.path.join(path, "policy"))
@@ -2793,10 +2798,9 @@ def save_models(path, models, as_stored=False, adapters_only=False):
 def save_in_dtype(model, path, state, dtype):
     """save_pretrained with the floating-point weights cast to `dtype` (a copy: the fp32 weights train on),
     refused if any is not finite (after the cast: fp16 overflows)."""
-    state, cast = state or model.state_dict(), {}
-    if dtype != torch.float32:  # one copy per tensor, so a tied head stays the embedding's alias (saved once)
-        state = {k: cast.setdefault((v.data_ptr(), v.shape, v.stride()), v.to(dtype)) if v.is_floating_point() else v
-                 for k, v in state.items()}
+    state, cast = state or model.state_dict(), {}  # one copy per tensor, so a tied head stays the embedding's alias
+    state = {k: cast.setdefault((v.data_ptr(), v.shape, v.stride()), v.to(dtype)) if v.is_floating_point() else v
+             for k, v in state.items()}  # (--lora-base-dtype bf16 bases among fp32 weights: all of them `dtype`)
     if not all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
         fail(f"the {os.path.basename(path)} has non-finite weights; refusing to save them to {path}")
     model.save_pretrained(path, state_dict=state)

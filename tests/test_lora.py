@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, LlamaConfig,
+                          Qwen2Config)
 
 import ppo
 import toy
@@ -128,6 +129,60 @@ def test_bf16_bases_change_no_number_under_bf16_autocast(world):
         assert {d for n, d in dtypes.items() if ".base_layer." in n} == {torch.bfloat16}
         assert {d for n, d in dtypes.items() if ".base_layer." not in n} == {torch.float32}  # adapters, embeddings,
         assert any("norm" in n for n in dtypes) and any("embed" in n for n in dtypes)  # norms, the heads
+
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2)
+SHAPES = {"llama": lambda: LlamaConfig(**TINY), "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+          "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=2)}  # Conv1D: W is (in, out)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("base", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_saved_lora_policy_is_base_plus_adapter_in_fp32(shape, base, tmp_path):
+    """The merged policy that save_models writes has the logits of base + adapter, peft's own merge_and_unload on
+    a fresh copy being the reference, and keeps the whole of a small update (|s B A| / |W| = 1e-3) on a
+    bf16-stored base held in bf16 (--lora-base-dtype bf16): merged in fp32 and saved in fp32, config.json saying so."""
+    from types import SimpleNamespace
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    torch.manual_seed(0)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[base]
+    AutoModelForCausalLM.from_config(SHAPES[shape]()).to(dtype).save_pretrained(tmp_path / "base")
+    args = ppo.Args(lora_rank=4)
+    policy = ppo.add_lora(ppo.load_model(AutoModelForCausalLM, str(tmp_path / "base"), "--model", args), args, "--model")
+    layers = ppo.lora_layers(policy)
+    with torch.no_grad():  # a small trained update on every adapted layer
+        for layer in layers.values():
+            W, A, B = layer.get_base_layer().weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            B.normal_()
+            delta = layer.scaling["default"] * (B @ A)
+            B.mul_(1e-3 * W.norm() / delta.norm())
+    if base == "bf16":
+        ppo.bf16_bases(policy)  # lossless here: the checkpoint's weights are bf16 numbers
+    models = SimpleNamespace(policy=policy, critic=None, stored_dtypes=(ppo.stored_dtype(str(tmp_path / "base"), args),
+                             None), policy_path=str(tmp_path / "base"), critic_path=None,
+                             shipped_generation_config=policy.generation_config,
+                             shipped_tokenizer=SimpleNamespace(save_pretrained=lambda path: None))
+    ppo.save_models(str(tmp_path / "out"), models, as_stored=True)
+    saved = load_file(str(tmp_path / "out" / "policy" / "model.safetensors"))
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    assert json.load(open(tmp_path / "out" / "policy" / "config.json"))["dtype"] == "float32"
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    for name, layer in layers.items():  # the saved weight minus the base is s B A, at least 99% of it
+        delta = layer.scaling["default"] * (layer.lora_B["default"].weight @ layer.lora_A["default"].weight).detach()
+        delta = delta.T if layer.fan_in_fan_out else delta
+        kept = saved[name + ".weight"] - fresh.get_submodule(name).weight.detach()
+        assert (kept - delta).norm() / delta.norm() < 0.01, name
+    reference = PeftModel.from_pretrained(fresh, str(tmp_path / "out" / "policy_adapter")).merge_and_unload().eval()
+    ids = torch.randint(128, (2, 12))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "policy").eval()(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (expected - plain).abs().max() > 1e-4  # the update shows in the logits (merge_and_unload merged `fresh`)
 
 
 @pytest.mark.fast
