@@ -406,12 +406,21 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def refill_order(update, refill, n_rows, args, rank, local_batch):
-    """--dynamic-sampling's prompt rows for refill round `refill` of an update, laid out as `prompt_order`'s, from a
-    numpy generator of their own seeded by (seed, update, refill): the main prompt stream, and where a resumed run
-    finds itself in it, stay as they are without the flag."""
-    n_prompts = args.batch_size // args.group_size
-    order = np.random.default_rng([args.seed, update, refill]).choice(n_rows, n_prompts, replace=n_rows < n_prompts)
+def refill_order(update, refill, questions, args, rank, local_batch):
+    """--dynamic-sampling's prompt rows for refill round `refill` of an update, laid out as `prompt_order`'s: questions
+    the update has not drawn (in its batch or an earlier round, on any rank; `questions` (n_rows,) numbers each row's
+    question, so rows that repeat one compare equal), in an order of their own seeded by (seed, update, round): the
+    main prompt stream, and where a resumed run finds itself in it, stay as they are without the flag. None when
+    fewer than a batch of new questions are left."""
+    n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
+    drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
+    for r in range(1, refill + 1):
+        order = np.random.default_rng([args.seed, update, r]).permutation(n_rows)  # (n_rows,)
+        order = order[~np.isin(questions[order], questions[drawn])]  # the questions not drawn yet...
+        order = order[np.sort(np.unique(questions[order], return_index=True)[1])][:n_prompts]  # ...each once
+        if len(order) < n_prompts:
+            return None
+        drawn = np.concatenate([drawn, order])
     batch_idx = np.repeat(order, args.group_size)  # (B,): groups side by side
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
@@ -564,22 +573,27 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
 
 
 def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
-    """DAPO's dynamic sampling (Yu et al. 2025). A group whose G samples all got the same score (phase 4's, before
-    the KL penalty: with it the totals would never tie) has a zero advantage on every token: it is dropped, and
-    further groups are sampled from `refill_order`'s stream, a batch of prompts a round, for at most
-    --dynamic-sampling-rounds rounds or until every rank holds its batch of groups with a signal. Every rank keeps
-    the same number of them, the fewest any rank holds (so all take the same minibatches: a sharded forward needs
-    every rank); surplus groups are discarded. With none anywhere, the batch trains as it came. Returns the batch
-    and its metrics."""
+    """DAPO's dynamic sampling (Yu et al. 2025). A group whose G samples all got the same score (the task's, before
+    phase 4's length shaping and KL penalty: DAPO keeps the groups that are neither all right nor all wrong) has a
+    zero advantage on every token: it is dropped, and further groups are sampled from `refill_order`'s stream, a
+    batch of new questions a round, for at most --dynamic-sampling-rounds rounds or until every rank holds its batch
+    of groups with a signal. Every rank keeps the same number of them, the fewest any rank holds (so all take the
+    same minibatches: a sharded forward needs every rank); surplus groups are discarded. With none anywhere, the
+    batch trains as it came. Returns the batch and its metrics."""
     rank, world = rank_and_world()
     G, B = args.group_size, len(batch.lengths)
-    kept, first, have, groups, tokens = [], batch, 0, 0, 0
+    # the question of each row, by text (gcd's 2,048 rows hold 364); with --env an episode is its row and its seed
+    questions = np.arange(len(rows)) if models.env else np.unique([question(r) for r in rows], return_inverse=True)[1]
+    kept, first, have, groups, tokens, rounds = [], batch, 0, 0, 0, 0
     for refill in range(args.dynamic_sampling_rounds + 1):  # 0: the batch as it came
         if refill > 0:
-            idx = refill_order(update, refill, len(rows), args, rank, B)  # (B,)
+            idx = refill_order(update, refill, questions, args, rank, B)  # (B,), or None: no new questions left
+            if idx is None:
+                break
             batch = sample(models, args, rows, prompt_ids, idx, env_seeds(args, update, rank, B, refill=refill), micro,
                            amp, device, llm)
-        s = long_responses(batch.scores, batch.has_eos, batch.lengths, None, args)[0].view(-1, G)  # (B / G, G)
+            rounds = refill
+        s = batch.scores.view(-1, G)  # (B / G, G): the task's scores
         signal = torch.nonzero((s != s[:, :1]).any(1)).squeeze(1)  # (n,): the groups whose scores differ
         kept.append(pick(batch, (signal[:, None] * G + torch.arange(G, device=device)).flatten()))  # (n G,)
         have, groups, tokens = have + len(signal), groups + len(s), tokens + batch.mask.sum().item()
@@ -587,7 +601,7 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
         if full == B // G:
             break
     n_groups, n_signal, n_tokens = global_sum(torch.tensor([groups, have, tokens], device=device)).tolist()
-    metrics = {"sampling/dropped": 1 - n_signal / n_groups, "sampling/rounds": refill,
+    metrics = {"sampling/dropped": 1 - n_signal / n_groups, "sampling/rounds": rounds,
                "sampling/trained_groups": full * world, "time/generated_tokens": n_tokens}
     if full == 0:
         return first, metrics
@@ -824,8 +838,10 @@ def adaptive_kl_coef(kl_coef, kl, args):
     """Ziegler et al. 2019 (--kl-target): beta moves by the clipped relative error of the KL per response."""
     if args.kl_target is None:
         return kl_coef
-    error = float(np.clip(global_sum(kl.sum()).item() / args.batch_size / args.kl_target - 1, -0.2, 0.2))
-    return kl_coef * (1 + error * args.batch_size / args.kl_horizon)
+    # over the responses trained on, all ranks' (--dynamic-sampling may train fewer than --batch-size)
+    total, n = global_sum(torch.tensor([kl.sum().item(), float(len(kl))], device=kl.device)).tolist()
+    error = float(np.clip(total / n / args.kl_target - 1, -0.2, 0.2))
+    return kl_coef * (1 + error * n / args.kl_horizon)
 
 
 def long_responses(scores, has_eos, lengths, next_values, args):

@@ -100,30 +100,46 @@ def small_chain(tmp_path_factory):
 
 
 @pytest.mark.fast
-def test_dynamic_sampling_trains_on_the_groups_with_a_signal_alone(small_chain, monkeypatch):
+def test_dynamic_sampling_trains_on_the_groups_with_a_signal_alone(small_chain, monkeypatch, tmp_path):
+    """DAPO's dynamic sampling: every group trained on holds a right and a wrong answer by the task's score (a
+    response cut at 12 tokens scores -1 after phase 4, a finished wrong one 0: four wrong answers stay a group
+    without a signal), and no refill redraws a question of the update (40 questions, each on 20 rows)."""
     monkeypatch.setattr(chain, "build_world", lambda *a, **k: small_chain)
-    drawn, trained = [], []  # each call's prompt rows; each update's batch as the epochs see it
-    real_sample, real_backward = ppo.sample, ppo.minibatch_backward
+    drawn, trained = [], []  # each call's prompt rows; each update's batch as dynamic sampling returns it
+    real_sample, real_dynamic = ppo.sample, ppo.dynamic_sampling
     monkeypatch.setattr(ppo, "sample", lambda m, a, rows, ids, idx, *r, **k: (
         drawn.append(list(idx)), real_sample(m, a, rows, ids, idx, *r, **k))[1])
-    monkeypatch.setattr(ppo, "minibatch_backward", lambda p, c, rollout, *r, **k: (
-        trained.append(rollout), real_backward(p, c, rollout, *r, **k))[1])
+    monkeypatch.setattr(ppo, "dynamic_sampling", lambda *a, **k: (
+        out := real_dynamic(*a, **k), trained.append(out[0]))[0])
+    questions = chain.prompts(40, seed=5)
+    with open(tmp_path / "few.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": q}) + "\n" for q in questions * 20)
     shutil.rmtree("runs/test_dynamic", ignore_errors=True)
     args = ppo.Args(model="chain", run_name="test_dynamic", total_episodes=96, batch_size=32, num_ppo_epochs=1,
-                    adv_estimator="grpo", group_size=4, dynamic_sampling=True, dynamic_sampling_rounds=2,
-                    save_every=0, sample_every=0)
+                    adv_estimator="grpo", group_size=4, dynamic_sampling=True, dynamic_sampling_rounds=3,
+                    response_length=12, dataset=str(tmp_path / "few.jsonl"), eval_fraction=0.0, save_every=0,
+                    sample_every=0)
     ppo.main(args)
     rows = [json.loads(line) for line in open("runs/test_dynamic/metrics.jsonl")]
-    assert any(0 < r["sampling/dropped"] < 1 for r in rows) and any(r["sampling/rounds"] > 0 for r in rows)
-    n_rows = len(ppo.load_prompt_rows(args)[0])
+    assert any(0 < r["sampling/dropped"] < 1 for r in rows) and any(r["sampling/rounds"] > 1 for r in rows)
+    assert any(r["ppo/val/eos_rate"] < 1 for r in rows)  # some responses were cut
+    prompts = [r["prompt"] for r in ppo.load_prompt_rows(args)[0]]
     for update, r in enumerate(rows, 1):
         calls, drawn = drawn[: 1 + r["sampling/rounds"]], drawn[1 + r["sampling/rounds"]:]
-        # the main stream as without the flag; each refill from a stream of its own, no later update's batch
-        assert calls[0] == ppo.prompt_order(update, n_rows, args, 0, 32).tolist()
-        for refill in calls[1:]:
-            assert all(refill != ppo.prompt_order(u, n_rows, args, 0, 32).tolist() for u in range(update, update + 4))
-        rollout = trained[update - 1]
-        s = rollout.scores.view(-1, 4)  # (groups, 4): phase 4's scores
+        # the main stream as without the flag (rows that may repeat a question); each refill of questions the
+        # update has not drawn, each once
+        assert calls[0] == ppo.prompt_order(update, len(prompts), args, 0, 32).tolist()
+        refilled = [prompts[i] for call in calls[1:] for i in call[::4]]  # one row per group
+        assert len(set(refilled)) == len(refilled) and not set(refilled) & {prompts[i] for i in calls[0]}
+        batch = trained[update - 1]
+        s = batch.scores.view(-1, 4)  # (groups, 4): the task's scores, before phase 4
         if r["sampling/trained_groups"] > 0:  # every group trained on has a signal; as many as logged
             assert (s != s[:, :1]).any(1).all() and len(s) == r["sampling/trained_groups"]
     assert not drawn
+
+
+@pytest.mark.fast
+def test_the_adaptive_kl_controller_counts_the_rows_trained_on():
+    args = ppo.Args(kl_target=1.0, kl_horizon=100, batch_size=8)  # dynamic sampling kept 6 of 8 responses
+    kl = torch.full((6, 2), 0.55)  # (B, T): 1.1 per response, 10% above the target
+    assert ppo.adaptive_kl_coef(0.1, kl, args) == pytest.approx(0.1 * (1 + 0.1 * 6 / 100))
