@@ -1816,6 +1816,11 @@ def add_lora(model, args, flag, head=None):
              "head reads head.weight itself)")
     if not lora_layers(model):
         fail(f"--lora-targets {args.lora_targets}: no module of {flag} was adapted")
+    from transformers.pytorch_utils import Conv1D
+    other = [n for n, m in lora_layers(model).items() if not isinstance(m.get_base_layer(), (nn.Linear, Conv1D))]
+    if other:  # the merge, the push and the saved checkpoint are written for linear layers' lora_A and lora_B
+        fail(f"--lora-targets {args.lora_targets} adapts {other[0]} of {flag} (not a linear layer): adapters go on "
+             "linear layers only; name those (e.g. q_proj,v_proj) or give all-linear")
     for name, p in model.named_parameters():
         p.requires_grad = ".lora_" in name or (head is not None and name.startswith(head + "."))
     return model
@@ -2110,7 +2115,9 @@ def reasoning_gym_reward(prompts, responses, task, entry, answer_format, **colum
     import reasoning_gym
     from reasoning_gym.utils import extract_answer
     score_answer = reasoning_gym.get_score_answer_fn(task[0])
-    numbers = [re.findall(r"-?\d+(?:\.\d+)?", r) for r in responses]
+    # a number, its thousands separated by commas or not: "1,024" is 1024 (and "12,18" two numbers)
+    numbers = [[n.replace(",", "") for n in re.findall(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?", r)]
+               for r in responses]
     answers = [extract_answer(r) if f == "tag" else r.strip() if f == "raw" else (n[-1] if n else None)
                for r, f, n in zip(responses, answer_format, numbers)]
     return [0.0 if a is None else float(score_answer(a, e)) for a, e in zip(answers, entry)]
@@ -2700,9 +2707,11 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
                          "response": t, "score": s}
                         for n, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
     right = np.array(passed, dtype=int).reshape(len(mine), k).sum(1)  # (prompts,): how many of its k passed
-    pass_sums = torch.tensor([sum(pass_at_k(k, int(c), j) for c in right) for j in range(1, k + 1)], device=device)
+    pass_sums = torch.tensor([sum(pass_at_k(k, int(c), j) for c in right) for j in range(1, k + 1)],
+                             dtype=torch.float64, device=device)  # (k,): exact, not float32's 7 digits
     n_responses, n_prompts = global_sum(torch.tensor([float(len(rows)), float(len(mine))], device=device)).tolist()
-    row = {name: global_sum(torch.tensor(v, device=device)).item() / max(n_responses, 1) for name, v in sums.items()}
+    row = {name: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() / max(n_responses, 1)
+           for name, v in sums.items()}
     row.update({f"eval/pass@{j + 1}": v / max(n_prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
     return row, samples
 

@@ -214,6 +214,15 @@ def test_a_bad_reasoning_gym_task_is_one_line(flags, message):
 
 
 @pytest.mark.fast
+def test_the_number_format_reads_thousands_separators():
+    import ppo
+    import reasoning_gym
+    entry = dict(reasoning_gym.create_dataset("chain_sum", size=1, seed=1)[0], answer="1024")
+    texts = ["It is 1,024.", "so 1,02", "gcd(12,18): 1024", "1,024 and then 7"]
+    assert ppo.reasoning_gym_reward(None, texts, ["chain_sum"] * 4, [entry] * 4, ["number"] * 4) == [1, 0, 1, 0]
+
+
+@pytest.mark.fast
 def test_reasoning_gym_flags_without_the_dataset_are_refused():
     import ppo
     for flags in (dict(dataset_options="{}"), dict(answer_format="raw")):

@@ -191,6 +191,8 @@ def test_the_saved_lora_policy_is_base_plus_adapter_in_fp32(shape, base, tmp_pat
     (dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha > 0"),
     (dict(lora_rank=4, lora_targets="no_such_proj"), "--lora-targets no_such_proj: "),
     (dict(lora_rank=4, lora_targets="q_proj,lm_head"), "adapts the output head"),
+    (dict(lora_rank=4, lora_targets="embed_tokens"), "adapts model.embed_tokens of --model .not a linear layer.: adapters go on linear"),
+    (dict(lora_rank=4, lora_targets="q_proj,norm"), "--lora-targets q_proj,norm: .*not supported"),
     (dict(lora_rank=4, ref_model="toy"), "the reference is the policy's base"),
     (dict(lora_rank=4, critic_init="scratch"), "--critic-init scratch with --lora-rank"),
     (dict(lora_rank=4, lora_base_dtype="bf16", precision="fp32"), "--lora-base-dtype bf16 needs"),

@@ -3,6 +3,7 @@ weights and AdamW states and is saved back in bf16; evaluation draws from its ow
 explicit resume of an earlier step starts a new branch; the newest --keep-checkpoints are kept; a changed
 --keep-best starts its best afresh."""
 import json
+import math
 import os
 import shutil
 
@@ -88,6 +89,8 @@ def test_evaluation_leaves_the_training_stream_alone(world):
     for r in evaluated:  # at every evaluation: pass@1 <= pass@2 <= pass@3, and some prompt passes only sometimes
         p = [r[f"eval/pass@{j}"] for j in (1, 2, 3)]
         assert 0 <= p[0] <= p[1] <= p[2] <= 1 and "eval/pass@4" not in r
+        for j, x in zip((1, 2, 3), p):  # exact: 8 prompts x C(3, j) x pass@j counts passing j-subsets (float32 is not)
+            assert abs(x * 8 * math.comb(3, j) - round(x * 8 * math.comb(3, j))) < 1e-9, (j, x)
     assert any(r["eval/pass@1"] < r["eval/pass@3"] for r in evaluated)
     resumed = run_main("test_eval_resumed", total_episodes=48, save_every=1, eval_every=1, eval_size=8,
                        eval_samples=3, pass_threshold=0.0, resume="runs/test_eval_on/checkpoints/step_1")
