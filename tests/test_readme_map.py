@@ -92,7 +92,7 @@ def test_the_training_loop_comes_first_and_main_stays_short():
 # calls and the chat template's rendering, the packing of the sampler's support, the chunked head's kernels, and
 # the one-line error
 PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "reward_model_scores", "render_for_rm",
-            "env_call", "env_step", "first_observation", "observation_ids",
+            "env_call", "env_step", "first_observation", "observation_ids", "question",
             "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs"}
 
 
