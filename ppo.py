@@ -212,11 +212,14 @@ class Args:
     """dual clip for negative advantages: the loss is at most -c * A (Ye et al. 2020: c = 3; None = off)"""
     cispo_cap: float = 5.0
     """--policy-loss cispo: the importance weight's upper bound, with no lower one (ScaleRL and TRL use 5; the
-    MiniMax-M1 paper tunes only an upper bound)"""
+    MiniMax-M1 paper tunes only an upper bound); veRL's CISPO equals it with clip_ratio_high = cap - 1 and
+    clip_ratio_low >= 1 (no lower bound)"""
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]] = None
     """how tokens count in the policy loss: each token the same; each response the same; or summed per
     response and divided by a constant, --response-length (Dr. GRPO's fix for the length bias). None: token-mean;
-    seq-mean-token-mean with gspo, whose ratio is one per response (veRL forces it)"""
+    seq-mean-token-mean with gspo, whose ratio is one per response (the GSPO paper's, and veRL's GSPO example's;
+    veRL's trainer default, token-mean, reaches its GSPO loss too: any is allowed). Rows without a token in the loss
+    (--overlong-filter's) leave the response count: veRL's trainer counts them, 7/6 of ours with one in 7"""
     target_kl: Optional[float] = None
     """stop this update's epochs once a minibatch's approx-KL, N+'s mean 0.5 logratio^2, exceeds this (after CleanRL,
     which stops after the epoch, on the k3 estimate; None = off)"""
@@ -1400,9 +1403,6 @@ def check_args(args, world):
         args.clip_eps = 3e-4 if gspo else 0.2
     if args.loss_agg is None:
         args.loss_agg = "seq-mean-token-mean" if gspo else "token-mean"
-    if gspo and args.loss_agg != "seq-mean-token-mean":
-        fail(f"--policy-loss gspo weighs each response once (one ratio each): --loss-agg {args.loss_agg} would "
-             "weigh it by its length; use seq-mean-token-mean (the default with gspo)")
     if args.policy_loss != "ppo" and args.dual_clip is not None:
         fail(f"--dual-clip is PPO's (it caps the token surrogate); --policy-loss {args.policy_loss} has none")
     if args.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again

@@ -185,6 +185,24 @@ def test_each_objective_equals_verl_in_value_and_gradient(case):
                                                                 abs=1e-6)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("case", VERL["cases_trainer_batch_info"], ids=lambda c: f"{c['objective']}-{c['mode']}")
+def test_a_row_without_tokens_leaves_the_response_count_unlike_verls_trainer(case):
+    """The seq-mean modes: veRL's trainer divides by a minibatch's rows, an empty one too (global_batch_size 7 of the
+    fixture's 7 rows, one empty); ppo.py by the rows in the loss (6). A response --overlong-filter drops then
+    changes no other response's weight, as DAPO's filter means. The losses differ by exactly 6/7, nothing else."""
+    mask = torch.tensor(VERL["inputs"]["response_mask"], dtype=torch.float32)  # (B, T)
+    assert case["global_batch_info"]["global_batch_size"] == len(mask) == 7 and (mask.sum(1) == 0).sum() == 1
+    ours = next(c for c in VERL["cases"] if (c["objective"], c["mode"], c["rollout_is_weights"]) ==
+                (case["objective"], case["mode"], False))  # equal to ppo.py's (the test above)
+    assert case["loss"] == pytest.approx(ours["loss"] * 6 / 7, rel=1e-6)
+    torch.testing.assert_close(torch.tensor(case["grad_log_prob"]), torch.tensor(ours["grad_log_prob"]) * 6 / 7)
+    keep = mask.sum(1) > 0  # (B,): ppo.py's weights of the other rows, with the empty row and without it
+    weights = [ppo.loss_weights(m, m.sum(1), m.sum(), (m.amax(1) > 0).sum(), MODES[case["mode"]], VERL["T"])
+               for m in (mask, mask[keep])]
+    torch.testing.assert_close(weights[0][keep], weights[1], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("objective", ["gspo", "cispo"])
 def test_the_2025_objectives_train_the_toy_world(world, objective):
     rows = run(f"test_{objective}", "--policy-loss", objective, "--adv-estimator", "grpo", "--group-size", "4",
