@@ -428,14 +428,19 @@ def refill_order(update, refill, questions, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def env_seeds(args, update, rank, n, evaluation=False, refill=0):
+def env_seeds(args, update, rank, n, refill=0):
     """This rank's episode seeds of an update, from (seed, update, rank) alone, so a resumed run replays the
-    same episodes; in training a group's G episodes share theirs (the same task, G tries). A refill round of
-    --dynamic-sampling adds its number to the key."""
-    key = [args.seed, update, rank, int(evaluation)] + ([refill] if refill else [])
+    same episodes; a group's G episodes share theirs (the same task, G tries). A refill round of
+    --dynamic-sampling adds its number to the key. (Evaluation's: `evaluation_seeds`.)"""
+    key = [args.seed, update, rank, 0] + ([refill] if refill else [])
     seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
-    group = 1 if evaluation else args.group_size
-    return [int(s) for s in seeds[np.arange(n) // group * group]]
+    return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
+
+
+def evaluation_seeds(args, n):
+    """The episode seed of each of the n evaluation prompts, the same at every update and on any number of ranks
+    (a key of its own length: no training key), so that evaluations at two updates play the same games."""
+    return [int(s) for s in np.random.SeedSequence([args.seed, 2**32 - 1]).generate_state(n)]
 
 
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
@@ -1561,7 +1566,8 @@ def full_state_dict(model):
 
 
 def reduce_row(row, device):
-    """One value for all ranks: the mean over their equal slices, or for a maximum the largest rank's."""
+    """One value for all ranks: the mean over their equal slices, or for a maximum the largest rank's (a mean over
+    unequal counts, env/turns_when_ended's, is summed over the ranks before: the same value on each)."""
     if rank_and_world()[1] == 1:
         return row
     keys = [k for k in row if k not in ("step", "episode")]
@@ -2648,9 +2654,10 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
                     "rollout/prob_ratio_max": engine_ratio.max().item()})
     if args.env is not None:  # turns per episode (each starts where the action mask rises), and per success
         turns = (torch.diff(mask, dim=1, prepend=torch.zeros_like(mask[:, :1])) > 0).sum(1).float()  # (B,)
-        row.update({"env/turns": turns.mean().item(),
-                    "env/turns_when_ended": (turns[rollout.has_eos].mean().item() if rollout.has_eos.any()
-                                             else float("nan")),
+        ended = rollout.has_eos.float()  # (B,): sums over all ranks, whose counts of ended episodes differ
+        n_ended, turns_ended = global_sum(torch.stack([ended.sum(), (turns * ended).sum()])).tolist()
+        row.update({"env/turns": turns.mean().item(),  # (means of equal shares: reduce_row's mean is right)
+                    "env/turns_when_ended": turns_ended / n_ended if n_ended else float("nan"),
                     "env/episode_tokens": lengths.float().mean().item()})
     for name, part in score_parts.items():  # each weighted component of the score
         row[f"objective/{name}"] = part.mean().item()
@@ -2685,9 +2692,9 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     with own_rng(device):
         torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
         sums, samples, passed = {}, [], []
-        seeds = env_seeds(args, update, rank, len(mine), evaluation=True) if models.env else None
+        seeds = evaluation_seeds(args, len(eval_ids)) if models.env else None
         if seeds is not None:  # a prompt's k tries play the same episode
-            seeds = [s for s in seeds for _ in range(k)]
+            seeds = [seeds[j] for j in mine for _ in range(k)]
         for i in range(0, len(rows), local_batch):
             idx = rows[i: i + local_batch]
             tries = None if seeds is None else seeds[i: i + local_batch]  # --env: these episodes' seeds

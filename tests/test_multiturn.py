@@ -450,11 +450,26 @@ def test_episodes_are_cut_where_the_cap_or_the_context_leaves_no_room(monkeypatc
 
 
 @pytest.mark.fast
-def test_evaluation_episodes_get_seeds_of_their_own():
+def test_evaluation_episodes_get_seeds_of_their_own_the_same_at_every_update(monkeypatch):
+    """An evaluation prompt's episode seed depends on the prompt alone: the evaluations of two updates play the
+    same games, on any number of ranks (each rank takes prompts j by their index); none is a training seed."""
     args = ppo.Args(group_size=4)
-    train, held_out = ppo.env_seeds(args, 3, 0, 8), ppo.env_seeds(args, 3, 0, 8, evaluation=True)
+    train = ppo.env_seeds(args, 3, 0, 8)
     assert train[:4] == [train[0]] * 4 and train[4] != train[0]  # a group: one task, four tries
+    held_out = ppo.evaluation_seeds(args, 8)
     assert len(set(held_out)) == 8 and not set(held_out) & set(train)
+    calls, real_sample = [], ppo.sample
+    monkeypatch.setattr(ppo, "sample", lambda models, a, rows, ids, idx, seeds, *r, **k: (
+        calls.append((a.eval_every and rows is not None and len(rows) == 8, list(idx), seeds)),
+        real_sample(models, a, rows, ids, idx, seeds, *r, **k))[1])
+    shutil.rmtree("runs/test_eval_seeds", ignore_errors=True)
+    run = ppo.Args(env=f"{ENVS}:Replies", max_turns=2, total_episodes=32, batch_size=16, num_ppo_epochs=1,
+                   eval_every=1, eval_size=8, eval_samples=2, save_every=0, sample_every=0, run_name="test_eval_seeds")
+    ppo.main(run)
+    evals = [(idx, seeds) for is_eval, idx, seeds in calls if is_eval]
+    assert len(evals) == 2 and evals[0] == evals[1]  # updates 1 and 2: the same games
+    idx, seeds = evals[0]
+    assert seeds == [ppo.evaluation_seeds(run, 8)[j] for j in idx]  # prompt j's seed, whoever evaluates it
 
 
 @pytest.mark.fast
