@@ -2273,7 +2273,8 @@ def textarena_game(game):
             self.env.get_observation()  # (files the new messages in the wrapper's log)
             log = self.log.full_observations.get(0, [])  # (sender, message, kind), the agent's moves too
             new, self.seen = log[self.seen:], len(log)
-            return "\n".join(f"[GAME] {message}" for sender, message, _ in new if sender == ta.GAME_ID)
+            return "\n".join(f"[GAME] {message}" for sender, message, kind in new  # (some games log the echo of
+                             if kind != ta.ObservationType.PLAYER_ACTION)  # a move as their own: TowerOfHanoi)
 
         def step(self, action_text):
             done, _ = self.env.step(action_text)

@@ -47,6 +47,13 @@ def test_the_echo_of_a_move_is_left_out_whatever_its_lines():
     assert not done and observation.startswith("[GAME] You attempted an invalid move") and "no number" not in observation
 
 
+def test_the_echo_is_left_out_where_the_game_logs_it_as_its_own():
+    env = ppo.textarena_game("TowerOfHanoi-v0")()  # logs the move under the game's id, of kind PLAYER_ACTION
+    env.reset({"game": "TowerOfHanoi-v0"}, 3)
+    observation, _, done = env.step("[A C]")
+    assert not done and "[GAME] [A C]" not in observation and "You moved disk 1 from A to C" in observation
+
+
 def test_a_short_run_on_a_textarena_game(monkeypatch):
     shutil.rmtree("runs/test_textarena", ignore_errors=True)
     ppo.main(ppo.Args(env=f"textarena/{GAME}", max_turns=2, response_length=4, total_episodes=16, batch_size=8,
