@@ -2250,10 +2250,21 @@ def textarena_game(game):
     the end of the game (in GuessTheNumber: 1 for a win, else how close the last guess came)."""
     try:
         import textarena as ta
+    except ImportError:
+        fail("--env textarena/...: needs the textarena package: pip install textarena")
+    try:
         ta.make(game)
+    except ValueError as e:  # not in its registry
+        fail(f"--env textarena/{game}: {reason(e)} (give a single-player game id such as GuessTheNumber-v0)")
+    except LookupError as e:  # a corpus the game reads (nltk's, for Wordle and Hangman) is not on this machine
+        fail(f"--env textarena/{game}: the game needs a corpus this machine lacks: "
+             + next((line.strip() for line in str(e).splitlines() if "not found" in line), reason(e))
+             + " (nltk.download() it where there is a network, or pick another game)")
+    except SyntaxError as e:  # (Klondike-v0 in textarena 0.7.4)
+        fail(f"--env textarena/{game}: TextArena's own code for it does not compile ({e.msg} in {e.filename}, line "
+             f"{e.lineno}): pick another game")
     except Exception as e:
-        fail(f"--env textarena/{game}: {reason(e)} (pip install textarena; give a single-player game id such as "
-             "GuessTheNumber-v0)")
+        fail(f"--env textarena/{game}: the game cannot be made ({type(e).__name__}: {reason(e)})")
 
     class Game:
         @staticmethod

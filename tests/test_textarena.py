@@ -64,6 +64,14 @@ def test_a_short_run_on_a_textarena_game(monkeypatch):
     assert sample["prompt"] and sample["response"]
 
 
+@pytest.mark.parametrize("game, cause", [("Wordle-v0", "the game needs a corpus this machine lacks: Resource 'words' not found"),
+                                         ("Klondike-v0", "TextArena's own code for it does not compile")])
+def test_a_game_that_cannot_run_here_names_the_cause(game, cause):
+    pytest.importorskip("nltk")  # (TextArena's Wordle needs it; a machine with its corpus would make the game)
+    with pytest.raises(ppo.UsageError, match=f"--env textarena/{game}: {cause}"):
+        ppo.textarena_game(game)
+
+
 def test_an_unknown_game_gets_one_line():
     with pytest.raises(ppo.UsageError, match="--env textarena/NoSuchGame-v0: Environment NoSuchGame-v0 not found"):
         ppo.main(ppo.Args(env="textarena/NoSuchGame-v0", total_episodes=8, batch_size=8, save_every=0,
