@@ -437,11 +437,6 @@ def env_seeds(args, update, rank, n, refill=0):
     return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
 
 
-def evaluation_seeds(args, n):
-    """The episode seed of each of the n evaluation prompts, the same at every update and on any number of ranks
-    (a key of its own length: no training key), so that evaluations at two updates play the same games."""
-    return [int(s) for s in np.random.SeedSequence([args.seed, 2**32 - 1]).generate_state(n)]
-
 
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
     """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine) as the
@@ -2734,6 +2729,11 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     row.update({f"eval/pass@{j + 1}": v / max(n_prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
     return row, samples
 
+
+def evaluation_seeds(args, n):
+    """The episode seed of each of the n evaluation prompts, the same at every update and on any number of ranks
+    (a key of its own length: no training key), so that evaluations at two updates play the same games."""
+    return [int(s) for s in np.random.SeedSequence([args.seed, 2**32 - 1]).generate_state(n)]
 
 def pass_at_k(n, c, k):
     """The chance that at least one of k samples drawn without replacement from n, of which c passed, passes:
