@@ -409,23 +409,25 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def refill_order(update, refill, questions, args, rank, local_batch):
-    """--dynamic-sampling's prompt rows for refill round `refill` of an update, laid out as `prompt_order`'s: questions
-    the update has not drawn (in its batch or an earlier round, on any rank; `questions` (n_rows,) numbers each row's
-    question, so rows that repeat one compare equal), in an order of their own seeded by (seed, update, round): the
-    main prompt stream, and where a resumed run finds itself in it, stay as they are without the flag. None when
-    fewer than a batch of new questions are left."""
+def refill_order(update, refill, questions, args, rank, world):
+    """--dynamic-sampling's prompt rows for refill round `refill` of an update, laid out as `prompt_order`'s: up to a
+    batch of questions the update has not drawn (in its batch or an earlier round, on any rank; `questions` (n_rows,)
+    numbers each row's question, so rows that repeat one compare equal), in an order of their own seeded by (seed,
+    update, round): the main prompt stream, and where a resumed run finds itself in it, stay as they are without
+    the flag. Fewer when fewer are left (as many on each rank); None when none are."""
     n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
     drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
     for r in range(1, refill + 1):
         order = np.random.default_rng([args.seed, update, r]).permutation(n_rows)  # (n_rows,)
         order = order[~np.isin(questions[order], questions[drawn])]  # the questions not drawn yet...
         order = order[np.sort(np.unique(questions[order], return_index=True)[1])][:n_prompts]  # ...each once
-        if len(order) < n_prompts:
+        order = order[:len(order) // world * world]  # equal shares
+        if len(order) == 0:
             return None
         drawn = np.concatenate([drawn, order])
-    batch_idx = np.repeat(order, args.group_size)  # (B,): groups side by side
-    return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
+    batch_idx = np.repeat(order, args.group_size)  # (b,): groups side by side
+    share = len(batch_idx) // world
+    return batch_idx[rank * share: (rank + 1) * share]  # (b / N,)
 
 
 def env_seeds(args, update, rank, n, refill=0):
@@ -590,11 +592,11 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
     kept, first, have, groups, tokens, rounds = [], batch, 0, 0, 0, 0
     for refill in range(args.dynamic_sampling_rounds + 1):  # 0: the batch as it came
         if refill > 0:
-            idx = refill_order(update, refill, questions, args, rank, B)  # (B,), or None: no new questions left
+            idx = refill_order(update, refill, questions, args, rank, world)  # (<= B,), None: no new questions
             if idx is None:
                 break
-            batch = sample(models, args, rows, prompt_ids, idx, env_seeds(args, update, rank, B, refill=refill), micro,
-                           amp, device, llm)
+            batch = sample(models, args, rows, prompt_ids, idx, env_seeds(args, update, rank, len(idx), refill=refill),
+                           micro, amp, device, llm)
             rounds = refill
         s = batch.scores.view(-1, G)  # (B / G, G): the task's scores
         signal = torch.nonzero((s != s[:, :1]).any(1)).squeeze(1)  # (n,): the groups whose scores differ

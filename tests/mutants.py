@@ -238,7 +238,7 @@ MUTANTS = [
     ("dynamic-sampling-keeps-a-dropped-group", "ppo.py",
      "signal = torch.nonzero((s != s[:, :1]).any(1)).squeeze(1)", "signal = torch.arange(len(s), device=device)"),
     ("dynamic-sampling-refill-from-the-main-stream", "ppo.py",
-     "idx = refill_order(update, refill, questions, args, rank, B)",
+     "idx = refill_order(update, refill, questions, args, rank, world)",
      "idx = prompt_order(update + refill, len(rows), args, rank, B)"),
     # issue 38: DAPO judges a group on the task's score, refills with new questions, and --kl-target counts the rows
     ("dynamic-sampling-judges-shaped-scores", "ppo.py", "s = batch.scores.view(-1, G)",
