@@ -2034,7 +2034,9 @@ def load_prompt_rows(args, env=None, log=print):
     try:  # the rows are decoded only here
         train = [dict(r, prompt=r.get(args.prompt_column)) for r in train]
         if args.eval_split is not None:
-            return train, [dict(r, prompt=r.get(args.prompt_column)) for r in ds[args.eval_split]][:args.eval_size]
+            held_out = ds[args.eval_split]  # (only the rows evaluated are decoded)
+            return train, [dict(r, prompt=r.get(args.prompt_column))
+                           for r in held_out.select(range(min(args.eval_size, len(held_out))))]
     except UnicodeDecodeError as e:
         fail(f"--dataset {args.dataset!r} cannot be loaded: it is not UTF-8 text ({reason(e)})")
     # --eval-fraction of the distinct prompts, drawn by --seed (a file may repeat a prompt: sums.jsonl has 2,000 rows
