@@ -15,10 +15,12 @@ import torch
 
 
 def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95, bootstrap_value=None):
-    """rewards, values, mask: (B, T) float; bootstrap_value: (B,) or None.
-    Returns advantages, returns: (B, T), both 0 on padding."""
+    """rewards, values, mask: (B, T) float; lam: a float, (B,) or (B, T) (lam_t weighs A_{t+1} in A_t);
+    bootstrap_value: (B,) or None. Returns advantages, returns: (B, T), both 0 on padding."""
     B, T = rewards.shape
     mask = mask.to(rewards.dtype)
+    lam = torch.as_tensor(lam, dtype=rewards.dtype, device=rewards.device)
+    lam = (lam[:, None] if lam.dim() == 1 else lam).expand(B, T)  # (B, T)
     # value of the state after the last valid token: V_T where the row fills the window
     nextvalues = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # (B,)
     if bootstrap_value is not None:
@@ -28,7 +30,7 @@ def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95, bootstrap_value=None
     for t in reversed(range(T)):
         valid = mask[:, t]  # (B,)
         delta = rewards[:, t] + gamma * nextvalues - values[:, t]  # (B,)
-        lastgaelam = (delta + gamma * lam * lastgaelam) * valid  # (B,): 0 on padding
+        lastgaelam = (delta + gamma * lam[:, t] * lastgaelam) * valid  # (B,): 0 on padding
         advantages[:, t] = lastgaelam
         # on padding keep carrying the bootstrap value back to the last valid token;
         # on valid tokens V_t becomes the next step's V_{t+1}
@@ -45,6 +47,8 @@ def compute_gae_over_actions(rewards, values, mask, gamma=1.0, lam=0.95, bootstr
     tokens only (veRL skips observation positions; RL2 compacts like this). With a prefix mask (one turn)
     the moves are the identity. Returns advantages, returns: (B, T), 0 off the agent's tokens."""
     order = torch.sort((mask == 0).to(torch.uint8), dim=1, stable=True).indices  # (B, T): agent tokens first
+    if torch.is_tensor(lam) and lam.dim() == 2:  # (B, T): a lambda for each token, moved with it
+        lam = lam.gather(1, order)
     advantages, returns = compute_gae(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order),
                                       gamma, lam, bootstrap_value)  # (B, T) each, compacted
     return (torch.zeros_like(advantages).scatter(1, order, advantages),

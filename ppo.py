@@ -88,7 +88,7 @@ import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 
-from gae import compute_gae, compute_gae_over_actions
+from gae import compute_gae_over_actions
 
 
 # ==============================================================================================
@@ -152,7 +152,9 @@ class Args:
     """score given instead of the reward model's to a response without EOS (N+: -1; None = off)"""
     bootstrap_truncated: bool = False
     """bootstrap a response without EOS from the critic's value at the cut, instead of scoring it (GAE only;
-    needs --missing-eos-penalty None, the other treatment of such responses)"""
+    needs --missing-eos-penalty None, the other treatment of such responses). With --env, an episode cut right
+    after a turn's stop token (the next observation did not fit) takes the value after that token, a state no
+    critic target covers (the targets sit before agent tokens; an observation's comes next): an extrapolation"""
     overlong_filter: bool = False
     """responses without EOS leave the policy and value losses (DAPO's over-long filtering)"""
     overlong_buffer: Optional[int] = None
@@ -171,9 +173,8 @@ class Args:
     """length-adaptive lambda of VAPO for the policy's advantages, 1 - 1 / (alpha * length) clamped to [0, 1]
     (below 1 / alpha tokens the formula goes negative); the critic keeps --lam (VAPO: 0.05; None = off)"""
     gae_across_observations: bool = True
-    """--env: GAE's trace runs on over the observations between turns (False, an ablation: gae.py's scan on the
-    action mask as it is, which restarts the trace at each observation and bootstraps each turn's last token
-    from the next turn's first value)"""
+    """--env: GAE's trace runs on over the observations between turns (False, an ablation: lambda is 0 on each
+    turn's last token, so the trace restarts there, and that token is bootstrapped from the next turn's first value)"""
     adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
     """GAE with the critic; or critic-free, one advantage per response against its group of samples:
     grpo = score - group mean (over the group std, see --group-std), rloo = score - mean of the others"""
@@ -439,7 +440,6 @@ def env_seeds(args, update, rank, n, refill=0):
     return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
 
 
-
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
     """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine) as the
     policy's generation config says, cut each after its first stop token (its eos_token_id: the run's one
@@ -488,8 +488,9 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
     when its env says done (has_eos), or is cut: at --max-turns, at --max-episode-tokens, or where the
     next observation and a whole turn would not fit in the model's context (vLLM's max_model_len). Returns
     `generate`'s tuple for the episodes after the first observation, with the action mask as `mask`
-    (1 on sampled tokens, each turn's stop token included; 0 on observations and padding), and the step
-    rewards (B, T), each on the last agent token of its turn."""
+    (1 on sampled tokens, each turn's stop token included; 0 on observations and padding), the step
+    rewards (B, T), each on the last agent token of its turn, and the turns' ends (B, T), 1 on those tokens
+    (the mask cannot tell two turns apart where an observation is no tokens)."""
     stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
     context = min(getattr(policy.config, "max_position_embeddings", None) or math.inf,
                   args.max_prompt_length + args.max_episode_tokens if llm is not None else math.inf)  # positions
@@ -497,7 +498,7 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
     chats, prompts = zip(*[first_observation(tokenizer, env_call(args, 0, env.reset, row, int(seed)), args)
                            for env, row, seed in zip(envs, rows, seeds)])  # the conversations; the prompt ids
     B, cap = len(rows), args.max_episode_tokens
-    ids, action, reward, engine = ([[] for _ in range(B)] for _ in range(4))  # per episode, per token
+    ids, action, reward, ends, engine = ([[] for _ in range(B)] for _ in range(5))  # per episode, per token
     over, done = [False] * B, [False] * B
     for turn in range(1, args.max_turns + 1):
         live = [i for i in range(B) if not over[i]]
@@ -513,6 +514,7 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
             ids[i] += turn_ids
             action[i] += [1.0] * n
             reward[i] += [0.0] * (n - 1) + [r]  # on the turn's last agent token
+            ends[i] += [0.0] * (n - 1) + [1.0]
             engine[i] += engine_logprobs[k, :n].tolist() if llm is not None else [0.0] * n
             over[i] = done[i] or turn == args.max_turns or len(ids[i]) >= cap
             if not over[i]:
@@ -528,6 +530,7 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
                 ids[i] += obs_ids
                 action[i] += [0.0] * len(obs_ids)
                 reward[i] += [0.0] * len(obs_ids)
+                ends[i] += [0.0] * len(obs_ids)
                 engine[i] += [0.0] * len(obs_ids)
     enc = tokenizer.pad({"input_ids": list(prompts)}, return_tensors="pt").to(device)
     P, T = enc.input_ids.shape[1], max(map(len, ids))
@@ -538,7 +541,8 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
     attention_mask = torch.cat([enc.attention_mask, (torch.arange(T, device=device) < lengths[:, None]).long()], 1)
     has_eos = torch.tensor(done, device=device)  # (B,): True = the env ended the episode
     engine_logprobs = padded(engine, 0.0) if llm is not None else None  # (B, T)
-    return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, padded(reward, 0.0)
+    return (query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, padded(reward, 0.0),
+            padded(ends, 0.0))
 
 
 class Sampled(NamedTuple):
@@ -552,6 +556,7 @@ class Sampled(NamedTuple):
     P: int
     engine_logprobs: Optional[torch.Tensor]  # (B, T): --vllm's, else None
     turn_rewards: Optional[torch.Tensor]  # (B, T): --env, each step's reward on the last agent token of its turn
+    turn_ends: Optional[torch.Tensor]  # (B, T): --env, 1 on the last agent token of each turn
     texts: list  # B decoded responses
     scores: torch.Tensor  # (B,): the total score, before phase 4's treatment of long responses
     score_parts: dict  # each weighted component's (B,)
@@ -561,20 +566,21 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
     """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score under
     no_grad, on the policy's tokens and the decoded texts (--offload-frozen: the reward model on the device)."""
     policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
-    rows, turn_rewards = [rows[i] for i in idx], None
+    rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
     with amp:
         if models.env is None:
             qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
                 policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm)
         else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
-            qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards = play(
+            qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends = play(
                 models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm)
     texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
     move(models.swapped, device)
     with torch.no_grad(), amp:
         scores, parts = score(models, args, rows, texts, qr, am, lengths, P, micro, turn_rewards)  # (B,)
     move(models.swapped, "cpu")
-    return Sampled(rows, qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, texts, scores, parts)
+    return Sampled(rows, qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends, texts, scores,
+                   parts)
 
 
 def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
@@ -611,29 +617,6 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
     if full == 0:
         return first, metrics
     return pick(join(kept, models.tokenizer.pad_token_id), torch.arange(int(full) * G, device=device)), metrics
-
-
-def pick(batch, idx):
-    """The rows `idx` (n,) of a Sampled."""
-    def take(x):
-        if isinstance(x, torch.Tensor):
-            return x[idx]
-        return [x[i] for i in idx.tolist()] if isinstance(x, list) else x  # (P and None as they are)
-    return Sampled(*map(take, batch[:-1]), {k: v[idx] for k, v in batch.score_parts.items()})
-
-
-def join(parts, pad_id):
-    """Several Sampled as one: prompts left-padded to the longest, responses right-padded to the longest."""
-    P, T = max(b.P for b in parts), max(b.mask.shape[1] for b in parts)
-    pad = lambda b, x, value: torch.nn.functional.pad(x, (P - b.P, T - b.mask.shape[1]), value=value)  # (b, P+T)
-    right = lambda b, x: None if x is None else torch.nn.functional.pad(x, (0, T - x.shape[1]))  # (b, T)
-    cat = lambda xs: None if xs[0] is None else torch.cat(xs) if isinstance(xs[0], torch.Tensor) else sum(xs, [])
-    return Sampled(cat([b.rows for b in parts]), cat([pad(b, b.query_responses, pad_id) for b in parts]),
-                   cat([pad(b, b.attention_mask, 0) for b in parts]), cat([b.lengths for b in parts]),
-                   cat([b.has_eos for b in parts]), cat([right(b, b.mask) for b in parts]), P,
-                   cat([right(b, b.engine_logprobs) for b in parts]), cat([right(b, b.turn_rewards) for b in parts]),
-                   cat([b.texts for b in parts]), cat([b.scores for b in parts]),
-                   {k: cat([b.score_parts[k] for b in parts]) for k in parts[0].score_parts})
 
 
 # --- phase 3: log-probs, entropies and values in no-grad passes -------------------------------
@@ -942,6 +925,7 @@ class Rollout:
     engine_logprobs: Optional[torch.Tensor] = None  # (B, T): --vllm, the engine's log-probs of its samples
     engine_ratio: Optional[torch.Tensor] = None  # (B, T): --vllm, p_old / p_vllm, 0 on padding
     is_weights: Optional[torch.Tensor] = None  # (B, T): --rollout-is-cap, the ratio capped
+    turn_ends: Optional[torch.Tensor] = None  # (B, T): --env, 1 on the last agent token of each turn
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=None, dual_clip=None):
@@ -1165,8 +1149,8 @@ def main(args: Args):
         if args.dynamic_sampling:  # DAPO: a group whose samples all scored the same has no signal; refill (see inside)
             batch, sampling = dynamic_sampling(batch, update, models, args, prompt_rows, prompt_ids, micro, amp,
                                                device, llm)
-        (batch_rows, query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, texts,
-         scores, score_parts) = batch  # (B, ...): see `Sampled`
+        (batch_rows, query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, turn_rewards,
+         turn_ends, texts, scores, score_parts) = batch  # (B, ...): see `Sampled`
         t_generate = time.perf_counter() - t0
 
         # 3. no-grad passes: old and reference log-probs, values (the score came with the samples)
@@ -1188,8 +1172,10 @@ def main(args: Args):
         # 5. GAE over the agent's tokens (across an episode's observations), or a critic-free baseline from
         # each prompt's group of samples
         gae = compute_gae_over_actions  # gae.py's scan on each row's agent tokens (one turn: the scan as it is)
-        if not args.gae_across_observations:
-            gae = compute_gae  # the ablation: the trace restarts at each observation (a hole in the mask)
+        if not args.gae_across_observations and turn_ends is not None:  # the ablation: the trace restarts at each
+            # turn (lambda 0 on its last token), empty observations too
+            gae = lambda r, v, m, gamma, lam, boot: compute_gae_over_actions(
+                r, v, m, gamma, torch.as_tensor(lam, device=device).reshape(-1, 1) * (1 - turn_ends), boot)
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)  # (B, T) each
         if args.lam_alpha is not None:  # VAPO: the policy's lambda nears 1 with the length (the critic keeps --lam)
             lam = (1 - 1 / (args.lam_alpha * mask.sum(1))).clamp(0, 1)  # (B,): < 0 below 1 / alpha agent tokens
@@ -1209,7 +1195,8 @@ def main(args: Args):
         # 7. K epochs over the fixed batch: minibatches, each accumulated over micro-batches
         t1 = time.perf_counter()
         rollout = Rollout(query_responses, attention_mask, lengths, mask, has_eos, logprobs, ref_logprobs, entropy,
-                          support, values, scores, kl, non_score_reward, rewards, advantages, returns, kl_coef)
+                          support, values, scores, kl, non_score_reward, rewards, advantages, returns, kl_coef,
+                          turn_ends=turn_ends)
         if args.vllm:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
             rollout.engine_logprobs = engine_logprobs  # (B, T)
             rollout.engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_old / p_vllm
@@ -2388,6 +2375,32 @@ def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, tu
     return tokenizer(end + after[len(with_turn):], add_special_tokens=False).input_ids
 
 
+# --- a batch of samples in parts (--dynamic-sampling) -----------------------------------------
+
+def pick(batch, idx):
+    """The rows `idx` (n,) of a Sampled."""
+    def take(x):
+        if isinstance(x, torch.Tensor):
+            return x[idx]
+        return [x[i] for i in idx.tolist()] if isinstance(x, list) else x  # (P and None as they are)
+    return Sampled(*map(take, batch[:-1]), {k: v[idx] for k, v in batch.score_parts.items()})
+
+
+def join(parts, pad_id):
+    """Several Sampled as one: prompts left-padded to the longest, responses right-padded to the longest."""
+    P, T = max(b.P for b in parts), max(b.mask.shape[1] for b in parts)
+    pad = lambda b, x, value: torch.nn.functional.pad(x, (P - b.P, T - b.mask.shape[1]), value=value)  # (b, P+T)
+    right = lambda b, x: None if x is None else torch.nn.functional.pad(x, (0, T - x.shape[1]))  # (b, T)
+    cat = lambda xs: None if xs[0] is None else torch.cat(xs) if isinstance(xs[0], torch.Tensor) else sum(xs, [])
+    return Sampled(cat([b.rows for b in parts]), cat([pad(b, b.query_responses, pad_id) for b in parts]),
+                   cat([pad(b, b.attention_mask, 0) for b in parts]), cat([b.lengths for b in parts]),
+                   cat([b.has_eos for b in parts]), cat([right(b, b.mask) for b in parts]), P,
+                   cat([right(b, b.engine_logprobs) for b in parts]), cat([right(b, b.turn_rewards) for b in parts]),
+                   cat([right(b, b.turn_ends) for b in parts]),
+                   cat([b.texts for b in parts]), cat([b.scores for b in parts]),
+                   {k: cat([b.score_parts[k] for b in parts]) for k in parts[0].score_parts})
+
+
 # --- memory: the policy head in chunks -------------------------------------------------------
 # At a real vocabulary the (b, T, V) logits and their fp32 copies are most of a log-prob pass's memory
 # (8 x 1,024 tokens x 151,936 x 4 bytes = 5 GB each); these functions never hold more than one chunk's.
@@ -2663,8 +2676,8 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
                     "rollout/logprob_diff_max": gap.max().item(),
                     "rollout/prob_ratio_mean": masked_mean(engine_ratio, mask).item(),
                     "rollout/prob_ratio_max": engine_ratio.max().item()})
-    if args.env is not None:  # turns per episode (each starts where the action mask rises), and per success
-        turns = (torch.diff(mask, dim=1, prepend=torch.zeros_like(mask[:, :1])) > 0).sum(1).float()  # (B,)
+    if args.env is not None:  # turns per episode (the env's steps), and per success
+        turns = rollout.turn_ends.sum(1)  # (B,)
         ended = rollout.has_eos.float()  # (B,): sums over all ranks, whose counts of ended episodes differ
         n_ended, turns_ended = global_sum(torch.stack([ended.sum(), (turns * ended).sum()])).tolist()
         row.update({"env/turns": turns.mean().item(),  # (means of equal shares: reduce_row's mean is right)

@@ -89,6 +89,14 @@ class Uneven(Replies):
         return super().reset(row, seed)
 
 
+class Silent(Replies):
+    """Replies whose observations are empty: on the toy's raw text no token lies between two turns."""
+
+    def step(self, action_text):
+        _, reward, done = super().step(action_text)
+        return "", reward, done
+
+
 class NoRowsAtAll(NoRows):
     @staticmethod
     def rows(n, seed):

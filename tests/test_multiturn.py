@@ -20,10 +20,10 @@ from gae import compute_gae, compute_gae_over_actions
 ENVS = "envs"  # tests/envs.py, imported as a module: the same one the tests read the log of
 
 
-def gae_per_episode(rewards, values, mask, gamma, lam, bootstrap=None, cut=False):
+def gae_per_episode(rewards, values, mask, gamma, lam, bootstrap=None, cut=False, ends=None):
     """The recursion over each row's agent tokens alone (float64): V after a turn's last token is V at
     the next turn's first agent token; after the episode's last, 0 or the bootstrap value. `cut`: the
-    trace restarts at each observation (--no-gae-across-observations)."""
+    trace restarts at each observation (--no-gae-across-observations); `ends` (B, T): after each 1 in it."""
     adv = np.zeros_like(rewards)
     for b in range(len(rewards)):
         agent = np.flatnonzero(mask[b])  # the agent's positions, observations skipped
@@ -31,8 +31,8 @@ def gae_per_episode(rewards, values, mask, gamma, lam, bootstrap=None, cut=False
         for j in reversed(range(len(agent))):
             t = agent[j]
             after = values[b, agent[j + 1]] if j + 1 < len(agent) else (0.0 if bootstrap is None else bootstrap[b])
-            if cut and j + 1 < len(agent) and agent[j + 1] > t + 1:
-                last = 0.0  # an observation lies between t and the next agent token
+            if cut and j + 1 < len(agent) and agent[j + 1] > t + 1 or ends is not None and ends[b, t]:
+                last = 0.0  # an observation lies between t and the next agent token, or a turn ends at t
             last = rewards[b, t] + gamma * after - values[b, t] + gamma * lam_b * last
             adv[b, t] = last
     return adv, (adv + values) * mask
@@ -194,6 +194,36 @@ def test_the_ablation_restarts_the_trace_at_each_observation(monkeypatch):
     torch.testing.assert_close(rollout.returns.double(), torch.from_numpy(ret), atol=1e-5, rtol=1e-5)
     across, _ = gae_per_episode(rewards, values, mask, args.gamma, args.lam)
     assert np.abs(across - adv).max() > 1e-3  # (the two differ on these episodes)
+
+
+@pytest.mark.fast
+def test_turns_are_the_envs_steps_even_where_an_observation_is_no_tokens(monkeypatch):
+    """Silent's observations are "": nothing of the mask marks where a turn ends. The turns are counted from the
+    env's steps, and the ablation still restarts the trace after each turn: the ends are where `generate` stopped."""
+    seen, turn_lengths, real_backward, real_generate = [], [], ppo.minibatch_backward, ppo.generate
+
+    def generate(*a, **k):
+        out = real_generate(*a, **k)
+        turn_lengths.append(out[2].tolist())
+        return out
+    monkeypatch.setattr(ppo, "generate", generate)
+    monkeypatch.setattr(ppo, "minibatch_backward", lambda policy, critic, rollout, *a, **k: (
+        seen.append(rollout), real_backward(policy, critic, rollout, *a, **k))[1])
+    shutil.rmtree("runs/test_silent", ignore_errors=True)
+    args = ppo.Args(run_name="test_silent", env=f"{ENVS}:Silent", max_turns=4, total_episodes=16, batch_size=16,
+                    num_ppo_epochs=1, save_every=0, whiten_advantages=False, gae_across_observations=False)
+    ppo.main(args)
+    rollout, row = seen[0], json.loads(open("runs/test_silent/metrics.jsonl").readline())
+    assert row["env/turns"] == 3 and row["env/turns_when_ended"] == 3  # (1.0 counted from the mask)
+    assert rollout.mask.sum().item() == rollout.lengths.sum().item()  # no observation token anywhere
+    ends = np.zeros(rollout.mask.shape)
+    ends[np.arange(16)[:, None], np.cumsum(np.array(turn_lengths[:3]).T, 1) - 1] = 1.0  # each turn's last token
+    rewards, values, mask = (x.double().numpy() for x in (rollout.rewards, rollout.values, rollout.mask))
+    adv, ret = gae_per_episode(rewards, values, mask, args.gamma, args.lam, ends=ends)
+    torch.testing.assert_close(rollout.advantages.double(), torch.from_numpy(adv), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rollout.returns.double(), torch.from_numpy(ret), atol=1e-5, rtol=1e-5)
+    across, _ = gae_per_episode(rewards, values, mask, args.gamma, args.lam)
+    assert np.abs(across - adv).max() > 1e-3  # (restarting changes these episodes' advantages)
 
 
 @pytest.mark.fast
@@ -419,14 +449,23 @@ def test_every_variant_runs_with_episodes(flags):
 
 def test_torchrun_plays_episodes_of_different_lengths_on_each_rank(tmp_path):
     """Two FSDP ranks generate with HF in lockstep (every forward needs both): one rank's episodes may all
-    end while the other's go on, and it must keep joining the turns until the last episode anywhere ends."""
+    end while the other's go on, and it must keep joining the turns until the last episode anywhere ends.
+    The turns per ended episode are over all ranks' ended episodes, whose counts differ from rank to rank."""
     from test_fsdp import torchrun
     shutil.rmtree("runs/test_env_ranks", ignore_errors=True)
-    out = torchrun(2, "ppo.py", "--env", "tests/envs.py:Uneven", "--max-turns", "4", "--total-episodes", "32",
+    out = torchrun(2, "ppo.py", "--env", "tests/envs.py:Uneven", "--max-turns", "3", "--total-episodes", "32",
                    "--batch-size", "16", "--run-name", "test_env_ranks", "--save-every", "0")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open("runs/test_env_ranks/metrics.jsonl")]
-    assert len(rows) == 2 and all(1 < r["env/turns"] < 4 and r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
+    args, counts = ppo.Args(env="tests/envs.py:Uneven"), []
+    for update, row in enumerate(rows, 1):
+        turns = [[1 + s % 4 for s in ppo.env_seeds(args, update, rank, 8)] for rank in (0, 1)]  # (Uneven's)
+        ended = [[t for t in ts if t <= 3] for ts in turns]  # four turns: cut at --max-turns 3
+        counts.append((len(ended[0]), len(ended[1])))
+        assert row["env/turns"] == pytest.approx(np.mean(np.minimum(turns, 3)), abs=1e-6)
+        assert row["env/turns_when_ended"] == pytest.approx(np.mean(ended[0] + ended[1]), abs=1e-6)
+    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
+    assert (4, 8) in counts  # (where the ranks' counts are equal, the mean of their means is right too)
 
 
 @pytest.mark.fast

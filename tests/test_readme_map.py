@@ -93,7 +93,7 @@ def test_the_training_loop_comes_first_and_main_stays_short():
 # the one-line error
 PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "reward_model_scores", "render_for_rm",
             "env_call", "env_step", "first_observation", "observation_ids", "question",
-            "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs"}
+            "pick", "join", "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs"}
 
 
 def test_what_the_loop_calls_in_phases_1_to_8_is_defined_above_main():
