@@ -167,7 +167,7 @@ def pretrain(tok, cfg, rng, steps, batch=64, log=print):
         loss.backward()
         opt.step()
         sched.step()
-        if (step + 1) % 500 == 0:
+        if (step + 1) % 200 == 0:
             log(f"  guess world: pre-training step {step + 1}/{steps}, loss {loss.item():.3f}")
     return model.eval(), loss.item()
 

@@ -281,7 +281,7 @@ class Args:
     """LoRA's scale is alpha / rank (32: LoRA Without Regret's, for every rank)"""
     lora_base_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """the adapted layers' frozen weights. bf16 halves the bases' memory (what lets a 7B policy and its critic
-    fit one 80 GB GPU: README, LoRA) and changes no number, since bf16 autocast rounds a linear layer's
+    fit one 80 GB GPU: docs/lora.md) and changes no number, since bf16 autocast rounds a linear layer's
     weights to bf16 before its matmul anyway; embeddings, norms and the head stay fp32. auto = bf16 where
     the forwards run in bf16 (--precision) on one process, else fp32 (FSDP2 shards one dtype per layer)"""
     lora_targets: str = "all-linear"
@@ -1136,6 +1136,7 @@ def main(args: Args):
     catch_stop_signals(run_name)  # SIGTERM (preemption) and Ctrl-C: finish the update, checkpoint it, stop
 
     log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
+    t_start = time.perf_counter()
     bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
                initial=first_update - 1, total=num_updates, disable=rank != 0)
     for update in bar:
@@ -1286,7 +1287,8 @@ def main(args: Args):
 
     if not stop:  # a stopped run keeps its checkpoint; the final models are for a finished one
         save_models(run_dir, models, as_stored=True)
-        log(f"saved policy and critic to {run_dir}/")
+        if rank == 0:
+            log(run_summary(args, run_dir, time.perf_counter() - t_start))
     close_run(args, metrics_file, run_dir)
     teardown(llm, world)
     if stop:
@@ -2633,7 +2635,7 @@ def repack_cpu_kernels(model):
 
 def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef, lr, times,
                 score_parts, gold, tokenizer):
-    """Phase 10: the update's metrics under the N+ / TRL names (the README's table), on this rank."""
+    """Phase 10: the update's metrics under the N+ / TRL names (docs/metrics.md's table), on this rank."""
     device, mask, lengths = rollout.mask.device, rollout.mask, rollout.lengths
     scores, non_score_reward, returns = rollout.scores, rollout.non_score_reward, rollout.returns
     stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
@@ -2823,6 +2825,27 @@ def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
             if rows:
                 wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
                           step=row["step"])
+
+
+def run_summary(args, run_dir, seconds):
+    """What a finished run prints last: its headline figure at the first update and over the last 10 (gold on the
+    toy world, the share of right answers on the chain world, of won games on the guess world, else the score),
+    and the files to look at, those the run wrote."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    key, name = (("objective/gold", "gold") if "objective/gold" in rows[0] else
+                 ("objective/reward_fn", "accuracy") if args.model == "chain" else
+                 ("ppo/val/eos_rate", "success") if args.model == "guess" else ("objective/scores", "score"))
+    last = [r[key] for r in rows[-10:]]
+    out = [f"done in {seconds:.0f} s: {name} {rows[0][key]:.2f} at update {rows[0]['step']}, {np.mean(last):.2f} "
+           f"over the last {len(last)} (of {rows[-1]['step']})"]
+    for path, what in (("metrics.jsonl", "one row per update (docs/metrics.md names every column)"),
+                       ("samples.jsonl", "prompts, responses and their scores, every --sample-every updates"),
+                       ("eval_samples.jsonl", "the evaluation's responses"), ("policy", "the trained policy"),
+                       ("policy_adapter", "its LoRA adapters"), ("critic", "the trained critic (the value model)"),
+                       ("best", "the models of the best update (--keep-best)")):
+        if os.path.exists(os.path.join(run_dir, path)):
+            out.append(f"  {os.path.join(run_dir, path):<44} {what}")
+    return "\n".join(out)
 
 
 def close_run(args, metrics_file, run_dir):

@@ -128,7 +128,7 @@ def encode(tok, texts):  # right-padded batch for the warm-up training below
     return tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=True)
 
 
-def train_sft(tok, cfg, rng, steps=500, batch=64):
+def train_sft(tok, cfg, rng, steps=500, batch=64, log=print):
     model = AutoModelForCausalLM.from_config(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):
@@ -139,6 +139,8 @@ def train_sft(tok, cfg, rng, steps=500, batch=64):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if (step + 1) % 100 == 0:
+            log(f"  toy world: policy, supervised step {step + 1}/{steps}, loss {loss.item():.3f}")
     return model, loss.item()
 
 
@@ -151,7 +153,7 @@ def reward_pair(rng):
             return (a, b) if gold(a) > gold(b) else (b, a)
 
 
-def train_reward(tok, cfg, rng, steps=600, batch=64):
+def train_reward(tok, cfg, rng, steps=600, batch=64, log=print):
     """Bradley-Terry on gold-labelled pairs; the centering term keeps scores near mean 0
     (Eisenstein et al. 2023), so a missing-EOS penalty of -1 sits below a typical score."""
     model = AutoModelForSequenceClassification.from_config(cfg)
@@ -165,6 +167,8 @@ def train_reward(tok, cfg, rng, steps=600, batch=64):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if (step + 1) % 100 == 0:
+            log(f"  toy world: reward model, step {step + 1}/{steps} on {batch} preference pairs, loss {loss.item():.3f}")
     with torch.no_grad():  # accuracy on fresh pairs
         ps = prompts(512, seed=rng.random())
         pairs = [reward_pair(rng) for _ in range(512)]
@@ -186,8 +190,8 @@ def build_world(root: str = "runs/toy", seed: int = 0, log=print) -> tuple[str, 
         rng = random.Random(seed)
         tok = make_tokenizer()
         cfg = make_config(tok)
-        policy, sft_loss = train_sft(tok, cfg, rng)
-        reward, acc = train_reward(tok, cfg, rng)
+        policy, sft_loss = train_sft(tok, cfg, rng, log=log)
+        reward, acc = train_reward(tok, cfg, rng, log=log)
     for model, path in ((policy, policy_dir), (reward, reward_dir)):
         model.save_pretrained(path)
         tok.save_pretrained(path)

@@ -140,7 +140,7 @@ def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
     assert reward([r["prompt"] for r in rows], texts, **columns) == [1.0, 1.0, 0.0, 0.0]
 
 
-# the README's tasks (gcd and chain_sum, with its options) and three it does not use, at the default 2,048 rows
+# the docs' tasks (gcd and chain_sum, with its options) and three it does not use, at the default 2,048 rows
 HELD_OUT_TASKS = [("gcd", {"max_value": 20}), ("chain_sum", {"min_terms": 2, "max_terms": 2, "max_digits": 1}),
                   ("basic_arithmetic", {}), ("leg_counting", {}), ("spell_backward", {})]
 

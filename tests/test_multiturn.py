@@ -405,8 +405,8 @@ def test_the_engine_scores_episodes_as_the_trainer_does():
 
 
 @pytest.mark.fast
-def test_the_readmes_example_env_runs(tmp_path):
-    text = open("README.md").read().split("## Agents: multi-turn episodes", 1)[1]
+def test_the_docs_example_env_runs(tmp_path):
+    text = open("docs/agents.md").read()
     code = "\n".join(line[4:] for line in text.split("    class Maze:", 1)[1].split("\n- **The contract")[0]
                      .splitlines())
     (tmp_path / "maze.py").write_text("class Maze:" + code)

@@ -38,7 +38,7 @@ def test_a_checkpoint_stored_in_bf16_trains_in_fp32_and_is_saved_in_bf16(world, 
                                                                           "reward")):
         cls.from_pretrained(src).to(torch.bfloat16).save_pretrained(tmp_path / dst)  # as most hub checkpoints are
         AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / dst)
-    # one optimizer step at the README's real-model rate: in bf16 it would move about 1% of the weights
+    # one optimizer step at the docs' real-model rate: in bf16 it would move about 1% of the weights
     run_main("test_bf16_stored", model=str(tmp_path / "policy"), reward_model=str(tmp_path / "reward"),
              total_episodes=16, learning_rate=1e-6, critic_learning_rate=1e-6, save_every=1)
     state = torch.load("runs/test_bf16_stored/checkpoints/step_1/state.pt", weights_only=True)

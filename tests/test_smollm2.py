@@ -128,7 +128,7 @@ def test_smollm2_plays_a_textarena_game_through_its_chat_template(smol, monkeypa
 
 
 def test_smollm2_trains_on_a_reasoning_gym_task(smol):
-    """The README's reasoning-gym command, shortened to one update: the task's rows through SmolLM2's chat
+    """docs/reasoning-gym.md's command, shortened to one update: the task's rows through SmolLM2's chat
     template, the task's own scorer as the reward, GRPO, and pass@k at the evaluation."""
     shutil.rmtree("runs/test_rgym", ignore_errors=True)
     out = subprocess.run([sys.executable, "ppo.py", "--run-name", "test_rgym", "--model", smol,

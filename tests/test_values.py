@@ -50,7 +50,7 @@ def whiten_by_hand(x, mask, shift_mean=True):
 
 
 def phases_4_to_6_by_hand(rollout, args):
-    """Advantages and returns from the rollout's KL, scores, values and lengths, as the README's phases 4-6 say."""
+    """Advantages and returns from the rollout's KL, scores, values and lengths, as the README's loop (phases 4-6) says."""
     mask, lengths = rollout.mask.double().numpy(), rollout.lengths.numpy()
     values, has_eos = rollout.values.double().numpy(), rollout.has_eos.numpy()
     beta = 0.0 if args.kl_in_loss else rollout.kl_coef
