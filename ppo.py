@@ -2724,8 +2724,9 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
         for i in range(0, len(rows), local_batch):
             idx = rows[i: i + local_batch]
             tries = None if seeds is None else seeds[i: i + local_batch]  # --env: these episodes' seeds
-            _, qr, _, lengths, has_eos, _, P, _, _, texts, total, parts = sample(
-                models, args, eval_rows, eval_ids, idx, tries, micro, amp, device, llm, args.eval_greedy)
+            batch = sample(models, args, eval_rows, eval_ids, idx, tries, micro, amp, device, llm, args.eval_greedy)
+            qr, lengths, has_eos, P, texts = batch.query_responses, batch.lengths, batch.has_eos, batch.P, batch.texts
+            total, parts = batch.scores, batch.score_parts
             responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
             if args.missing_eos_penalty is not None:
                 total = torch.where(has_eos, total, args.missing_eos_penalty)

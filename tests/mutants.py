@@ -6,8 +6,9 @@ fast tests that must fail on each.
     python tests/mutants.py --only kl-swapped-in-reward position-ids-arange
 
 Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, the worlds, bench.py, smollm2.py,
-tests/ and the toy world under runs/toy), where `python -m pytest -m fast tests` runs (with -x unless --all). A mutant
-the fast subset lets pass is a hole in the suite: the runner exits 1. The unmutated copy must pass first.
+tests/ and the toy world under runs/toy), where `python -m pytest -m "fast or mutants" tests` runs (with -x unless
+--all): the fast subset and the oracles too slow for it. A mutant they let pass is a hole in the suite: the runner
+exits 1. The unmutated copy must pass first.
 Tests about the layout (the docs' maps, every flag read) do not count as killers.
 """
 import argparse
@@ -272,7 +273,7 @@ def scratch_copy():
 
 def run_fast(root, stop_at_first):
     """The fast tests in `root`: (seconds, the ids of the tests that failed or errored)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "fast", "-p", "no:cacheprovider", "--timeout=300",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "fast or mutants", "-p", "no:cacheprovider", "--timeout=300",
            "-rfE", *NOT_KILLERS, "tests"] + (["-x"] if stop_at_first else [])
     t = time.time()
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True)

@@ -12,9 +12,8 @@ import chain
 import ppo
 from test_ppo_parts import checked, rollout_batch
 
-pytestmark = pytest.mark.fast
 
-
+@pytest.mark.fast
 def test_the_chain_reward_reads_the_answer_after_the_marker():
     prompt = "1 2 3 4 9 ?"  # 19 -> 9
     assert chain.answer(prompt) == 9
@@ -27,6 +26,7 @@ def test_the_chain_reward_reads_the_answer_after_the_marker():
     assert sum(slipped) < 60  # every step off by one: mostly wrong (right only when the slips cancel)
 
 
+@pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
 def test_the_chain_world_is_deterministic(tmp_path):
     paths = [chain.build_world(str(tmp_path / name), seed=seed, steps=20, log=lambda *a: None)[0]
              for name, seed in (("a", 0), ("b", 0), ("c", 1))]
@@ -38,6 +38,7 @@ def test_the_chain_world_is_deterministic(tmp_path):
     assert stamps[0] == stamps[1]  # the measured start (accuracy, lengths) too
 
 
+@pytest.mark.fast
 def test_long_responses_by_hand():
     # limit 10, buffer 4: no penalty up to 6 tokens, then -0.25 a token down to -1 at 10 (the one cut there)
     scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
@@ -57,6 +58,7 @@ def test_long_responses_by_hand():
     torch.testing.assert_close(boot, torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7]))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
 def test_overlong_filtering_is_training_on_the_finished_responses_alone(world, loss_agg):
     # responses 0, 3, 5, ... marked as cut by the limit: with --overlong-filter the gradient (policy and
@@ -76,6 +78,7 @@ def test_overlong_filtering_is_training_on_the_finished_responses_alone(world, l
     assert (filtered - everything).abs().max() > 1e-4  # the cut responses did move the unfiltered gradient
 
 
+@pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
 def test_a_few_updates_of_the_chain_world(tmp_path, monkeypatch):
     # a small world (a few pre-training steps) stands in for the cached one; the defaults of --model chain
     # (40-token responses, the chain:reward function, the critic on the policy) are what ppo.main runs
@@ -99,7 +102,7 @@ def small_chain(tmp_path_factory):
     return chain.build_world(str(tmp_path_factory.mktemp("chain") / "chain"), steps=200, log=lambda *a: None)
 
 
-@pytest.mark.fast
+@pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
 def test_dynamic_sampling_trains_on_the_groups_with_a_signal_alone(small_chain, monkeypatch, tmp_path):
     """DAPO's dynamic sampling: every group trained on holds a right and a wrong answer by the task's score (a
     response cut at 12 tokens scores -1 after phase 4, a finished wrong one 0: four wrong answers stay a group

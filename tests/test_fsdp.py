@@ -26,7 +26,7 @@ def torchrun(n, *cmd):
                            "--master_port", str(free_port()), *cmd], capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.fast
+@pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_ranks_update_equals_one_process(world, tmp_path, lora):
     results = {}

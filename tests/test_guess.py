@@ -9,8 +9,6 @@ import pytest
 import guess
 import ppo
 
-pytestmark = pytest.mark.fast
-
 
 def play(env, policy, row, turns=guess.MAX_TURNS):
     """Turns of `policy(history) -> guess text` until done: the number of turns, or None if not won."""
@@ -33,6 +31,7 @@ def binary_search(history):
     return str((lo + hi) // 2)
 
 
+@pytest.mark.fast
 def test_the_env_replies_higher_lower_and_invalid():
     env = guess.Guess()
     assert env.reset({"secret": 10}, 0) == f"guess {guess.LO} {guess.HI} ?"
@@ -43,6 +42,7 @@ def test_the_env_replies_higher_lower_and_invalid():
     assert env.step("10") == (None, 1.0, True)
 
 
+@pytest.mark.fast
 def test_binary_search_wins_every_secret_within_the_turns_and_most_need_two():
     turns = [play(guess.Guess(), binary_search, {"secret": s}) for s in range(guess.LO, guess.HI + 1)]
     assert None not in turns and max(turns) == guess.MAX_TURNS
@@ -50,6 +50,7 @@ def test_binary_search_wins_every_secret_within_the_turns_and_most_need_two():
     assert play(guess.Guess(), lambda h: "8", {"secret": 3}) is None  # ignoring the replies loses
 
 
+@pytest.mark.fast
 def test_the_reward_at_every_turn_telescopes_to_the_bits_the_replies_gave():
     for secret in range(guess.LO, guess.HI + 1):  # binary search and a wasteful linear search both return 2
         for policy in (binary_search, lambda h: str(guess.LO + len(h) // 2)):
@@ -69,6 +70,7 @@ def test_the_reward_at_every_turn_telescopes_to_the_bits_the_replies_gave():
     assert [r for _, r, _ in steps] == pytest.approx([0.0, math.log2(16 / 7) / 4, 0.0, math.log2(7 / 5) / 4])
 
 
+@pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
 def test_a_few_updates_of_the_guess_world(tmp_path, monkeypatch):
     small = guess.build_world(str(tmp_path / "guess"), steps=150, log=lambda *a: None)
     monkeypatch.setattr(guess, "build_world", lambda *a, **k: small)

@@ -13,8 +13,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 import ppo
 
-pytestmark = pytest.mark.fast
-
 
 def rows_of(name):
     return [json.loads(line) for line in open(f"runs/{name}/metrics.jsonl")]
@@ -32,6 +30,7 @@ def without_timings(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
 
 
+@pytest.mark.fast
 def test_first_update_at_another_temperature(world):
     # at T 1.3 every pass must take logits / 1.3: the sampler's, the old, the reference and the new
     # log-probs. Update 1 has policy = reference, so the KL is exactly 0; the ratio is 1 before the
@@ -43,6 +42,7 @@ def test_first_update_at_another_temperature(world):
     assert abs(row["ppo/val/ratio"] - 1) < 1e-5
 
 
+@pytest.mark.fast
 def test_kl_to_a_distant_reference_is_positive(world, tmp_path):
     # a reference that is a random model: KL(policy || reference) is several nats per response, and k1
     # estimates it with the policy's samples as log p - log p_ref; swapped arguments make it negative
@@ -54,6 +54,7 @@ def test_kl_to_a_distant_reference_is_positive(world, tmp_path):
     assert row["objective/non_score_reward"] == pytest.approx(-0.05 * row["objective/kl"])
 
 
+@pytest.mark.fast
 def test_responses_without_eos_get_the_penalty(world):
     # two tokens: no toy response ends in time ("adjective ." + EOS is the shortest)
     row = run_main("test_no_eos", response_length=2, missing_eos_penalty=-3.0, num_ppo_epochs=1)[0]
@@ -63,6 +64,7 @@ def test_responses_without_eos_get_the_penalty(world):
 MICRO = dict(micro_batch_size=8, num_minibatches=2)  # the setting where bf16 rounds the two passes apart
 
 
+@pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
 def test_bf16_passes_its_own_health_check(world):
     # bf16 autocast on a CPU rounds like a GPU's: the rollout and training passes see micro-batches of other
     # rows and lengths, so single tokens differ by up to a few percent; the mean over the minibatch does not
@@ -85,6 +87,7 @@ def gpt2_policy(world, path):
     return dict(model=str(path), reward_model=world[1])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("fault", ["dropout", "temperature", "position_ids"])
 def test_health_check_stops_a_run_whose_passes_disagree(world, tmp_path, monkeypatch, fault, precision):
@@ -117,6 +120,7 @@ def test_health_check_stops_a_run_whose_passes_disagree(world, tmp_path, monkeyp
     assert steps == []
 
 
+@pytest.mark.fast
 def test_a_non_finite_ratio_stops_the_run_before_any_step(world, monkeypatch):
     # NaN > tol is False: a NaN old log-prob on a real token must still stop the run, with its own message,
     # before the first step
@@ -133,6 +137,7 @@ def test_a_non_finite_ratio_stops_the_run_before_any_step(world, monkeypatch):
     assert steps == []
 
 
+@pytest.mark.fast
 def test_a_non_finite_log_prob_on_padding_reaches_nothing(world, monkeypatch):
     # padding is never trained on: a NaN the training pass computes there (0 x NaN = NaN) must reach neither
     # the ratio's statistics nor the loss
@@ -149,6 +154,7 @@ def test_a_non_finite_log_prob_on_padding_reaches_nothing(world, monkeypatch):
     assert math.isfinite(row["ppo/loss/policy_avg"]) and math.isfinite(row["ppo/policy/approxkl_avg"])
 
 
+@pytest.mark.fast
 def test_critic_warmup_moves_the_critic_and_not_the_policy(world):
     rows = run_main("test_warmup", critic_warmup_updates=1, total_episodes=32, batch_size=32)  # all warm-up
     assert rows[0]["ppo/policy/approxkl_avg"] == 0  # the policy never moved within the update
@@ -160,6 +166,7 @@ def test_critic_warmup_moves_the_critic_and_not_the_policy(world):
     assert any(not torch.equal(critic[k], start[k]) for k in start)
 
 
+@pytest.mark.fast
 def test_resume_restores_the_kl_coefficient_and_the_best_metric(world):
     # adaptive KL far below its target: beta shrinks by the clipped step every update, so keeping the
     # best of `objective/kl_coef` keeps update 1's models and no later update beats it

@@ -107,7 +107,7 @@ def test_a_killed_lora_run_resumes_exactly():
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 
-@pytest.mark.fast
+@pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
 def test_bf16_bases_change_no_number_under_bf16_autocast(world):
     # --lora-base-dtype bf16: autocast rounds each linear layer's weights to bf16 before its matmul anyway, so
     # the run's rows are those of fp32 bases, bit for bit; only the adapted layers' W and bias are bf16
