@@ -252,6 +252,12 @@ MUTANTS = [
      "if False:"),
     ("textarena-echoes-the-agents-move", "ppo.py",
      "if kind != ta.ObservationType.PLAYER_ACTION)", "if True)"),
+    # issue 39: turns counted from the env (an empty observation leaves no hole in the mask), over all ranks
+    ("env-turns-from-the-mask", "ppo.py", "turns = rollout.turn_ends.sum(1)  # (B,)",
+     "turns = (torch.diff(mask, dim=1, prepend=torch.zeros_like(mask[:, :1])) > 0).sum(1).float()"),
+    ("turns-when-ended-on-this-rank-alone", "ppo.py",
+     "n_ended, turns_ended = global_sum(torch.stack([ended.sum(), (turns * ended).sum()])).tolist()",
+     "n_ended, turns_ended = torch.stack([ended.sum(), (turns * ended).sum()]).tolist()"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 

@@ -447,6 +447,7 @@ def test_every_variant_runs_with_episodes(flags):
     assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
 
 
+@pytest.mark.mutants  # (the mutation check runs it: one mutant only two ranks show)
 def test_torchrun_plays_episodes_of_different_lengths_on_each_rank(tmp_path):
     """Two FSDP ranks generate with HF in lockstep (every forward needs both): one rank's episodes may all
     end while the other's go on, and it must keep joining the turns until the last episode anywhere ends.
