@@ -253,8 +253,8 @@ class Args:
 
     # models
     model: str = "toy"
-    """policy checkpoint (HF causal LM, local path or hub name), or a built-in world: `toy` (toy.py) or `chain`
-    (chain.py, verifiable rewards and worked answers)"""
+    """policy checkpoint (HF causal LM, local path or hub name), or a built-in world: `toy` (toy.py), `chain`
+    (chain.py, verifiable rewards and worked answers) or `guess` (guess.py, multi-turn episodes)"""
     ref_model: Optional[str] = None
     """the frozen reference of the KL penalty (default: --model)"""
     reward_model: Optional[str] = None
@@ -2839,7 +2839,7 @@ def run_summary(args, run_dir, seconds):
     last = [r[key] for r in rows[-10:]]
     out = [f"done in {seconds:.0f} s: {name} {rows[0][key]:.2f} at update {rows[0]['step']}, {np.mean(last):.2f} "
            f"over the last {len(last)} (of {rows[-1]['step']})"]
-    for path, what in (("metrics.jsonl", "one row per update (docs/metrics.md names every column)"),
+    for path, what in (("metrics.jsonl", "one row per update (docs/metrics.md explains them)"),
                        ("samples.jsonl", "prompts, responses and their scores, every --sample-every updates"),
                        ("eval_samples.jsonl", "the evaluation's responses"), ("policy", "the trained policy"),
                        ("policy_adapter", "its LoRA adapters"), ("critic", "the trained critic (the value model)"),

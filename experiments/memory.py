@@ -524,7 +524,7 @@ def findings(measured, counts, columns):
         "token in bf16) and the no-grad passes of all four models; the update's peak is what the table shows.",
         "Activation bytes per token count every token as a response token (the head's chunks run on response "
         "tokens only) and hold for any rows x tokens split; the T x T mask term adds 2 x T B per token.",
-        "ppo.py today loads every model in fp32 (README: a bf16 frozen base is not there yet): the frozen rows "
+        "ppo.py today loads every model in fp32 (docs/lora.md: a bf16 frozen base is not there yet): the frozen rows "
         "would be 4 B/param, and an fp32 frozen base under autocast also saves a bf16 copy of every adapted "
         "weight for the backward (as the full-PPO row of weight copies does).",
         "The --gradient-checkpointing rows are estimates, not measurements: 4 H B/token per layer (each "

@@ -197,6 +197,18 @@ def test_a_finished_run_names_its_files_and_its_headline_figure(estimator, capsy
     assert (os.path.join("runs/test_summary", "critic") in out) == (estimator == "gae")  # only when there is one
 
 
+@pytest.mark.fast
+def test_building_a_world_prints_its_steps():
+    import random
+    import toy
+    lines = []
+    tok = toy.make_tokenizer()
+    toy.train_sft(tok, toy.make_config(tok), random.Random(0), steps=100, batch=4, log=lines.append)
+    toy.train_reward(tok, toy.make_config(tok), random.Random(0), steps=100, batch=4, log=lines.append)
+    assert [line.split(",")[1].split(" loss")[0].strip() for line in lines] == [
+        "supervised step 100/100", "step 100/100 on 4 preference pairs"]
+
+
 def rewrite_ablations():
     """The ablation table's last column, as ppo.py stands."""
     def fix(line):
