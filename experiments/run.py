@@ -1,4 +1,4 @@
-"""The experiments behind the README's claims, on the toy world, on a CPU in minutes.
+"""The experiments behind the docs' claims, on the toy world, on a CPU in minutes.
 
     python experiments/run.py            # the three toy ones; or name some: kl clip critic smollm2
     python experiments/run.py lengthbias chaincritic budget truncation   # the chain world's four (chain.py)
@@ -42,7 +42,7 @@
 21. rgymquick (after rgym): rgym's full fine-tuning for 10 updates, 3 seeds, timed as one command.
 22. rgymagain (issue 38): rgym's runs, rgymarms and rgymquick again on evaluation questions no training row asks.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
-its summary to experiments/results.json (the numbers the README quotes).
+its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
 import json
 import os
@@ -89,16 +89,21 @@ def logged_reward(prompts, responses, **columns):
     return scores
 
 
-def parallel_runs(jobs, parallel=2):
+def parallel_runs(jobs, parallel=2, save_every=0):
     """Fresh ppo.py runs, `parallel` processes at a time on one thread each: jobs is a list of (name, flags,
-    extra environment). Returns {name: (metrics rows, seconds)}."""
+    extra environment). With `save_every`, each run checkpoints every so many updates, and a run cut short
+    (the machine taken back) resumes from its newest checkpoint, exactly, instead of starting afresh.
+    Returns {name: (metrics rows, seconds)}."""
     jobs, running, done = list(jobs), [], {}
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     while jobs or running:
         while jobs and len(running) < parallel:
             name, flags, extra = jobs.pop(0)
-            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-            cmd = [sys.executable, "ppo.py", "--run-name", name, "--sample-every", "0", "--save-every", "0", *flags]
+            resume = save_every and os.path.isdir(os.path.join(ROOT, "runs", name, "checkpoints"))
+            if not resume:
+                shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+            cmd = [sys.executable, "ppo.py", "--run-name", name, "--sample-every", "0", "--save-every",
+                   str(save_every), *flags, *(["--resume", "auto"] if resume else [])]
             proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env, **extra), stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
             running.append((proc, name, time.perf_counter()))
@@ -535,12 +540,17 @@ def rgym_quick():
 def rgym_again():
     """Issue 38: rgym's three runs, rgymarms and rgymquick again, on evaluation questions that no training row asks
     (before, reasoning-gym's evaluation rows were its training rows shifted by one); same seeds, flags and budgets,
-    the screen as it was. rgym's runs and the arms share one queue, two at a time; rgymquick is timed alone after."""
+    the screen as it was. rgym's runs and the arms share one queue, two at a time; rgymquick is timed alone after.
+    A run that already finished (a queue cut short and started again) is kept, not run twice, and one cut short
+    resumes from its checkpoint (every 5 updates)."""
     flags, base = rgym_flags()
     arms = {"full_2e-5": flags, "lora16_2e-4": [*override(flags, learning_rate="2e-4"), "--lora-rank", "16"],
             "full_1e-5": override(flags, learning_rate="1e-5")}
-    parallel_runs([base] + [(RGYM_ARMS[arm].format(seed), [*arm_flags, "--seed", str(seed)], {})
-                            for arm, arm_flags in arms.items() for seed in (1, 2, 3)])
+    jobs = [base] + [(RGYM_ARMS[arm].format(seed), [*arm_flags, "--seed", str(seed)], {})
+                     for arm, arm_flags in arms.items() for seed in (1, 2, 3)]
+    finished = {"exp_rgym_base": 1, **{RGYM_ARMS[arm].format(seed): 25 for arm in arms for seed in (1, 2, 3)}}
+    parallel_runs([job for job in jobs if not os.path.exists(os.path.join(ROOT, "runs", job[0], "metrics.jsonl"))
+                   or len(rows_of(job[0])) < finished[job[0]]], save_every=5)
     results = json.load(open(os.path.join(HERE, "results.json")))
     return {"rgym": rgym_summary(results["rgym"]["screen"], results["rgym"]["picked"]),
             "rgymarms": rgym_arms_summary(), "rgymquick": rgym_quick()}
@@ -881,7 +891,7 @@ def arena():
 
 
 def lora_smollm2():
-    """Issue 28: SmolLM2-135M-Instruct on its sums task with the README's flags, full fine-tuning (learning rate
+    """Issue 28: SmolLM2-135M-Instruct on its sums task with docs/real-model.md's flags, full fine-tuning (learning rate
     2e-5) against LoRA rank 16 on every linear layer (2e-4: LoRA Without Regret's 10x; the critic keeps 2e-4),
     one run of each per seed in turn, 3 seeds: peak RSS, seconds per update, and the score's gain (the mean
     of the first 5 updates to that of the last 5)."""
