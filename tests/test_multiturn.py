@@ -178,16 +178,22 @@ def test_gae_runs_over_the_agents_tokens_across_observations(episodes):
         torch.testing.assert_close(rollout.returns.double(), torch.from_numpy(ret), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.fast
-def test_the_ablation_restarts_the_trace_at_each_observation(monkeypatch):
+def ablation_rollout(monkeypatch, env, run_name):
+    """The rollout phase 7 trains on in update 1 of a --no-gae-across-observations run on tests/envs.py's `env`,
+    and the run's Args."""
     seen, real_backward = [], ppo.minibatch_backward
     monkeypatch.setattr(ppo, "minibatch_backward", lambda policy, critic, rollout, *a, **k: (
         seen.append(rollout), real_backward(policy, critic, rollout, *a, **k))[1])
-    shutil.rmtree("runs/test_gae_cut", ignore_errors=True)
-    args = ppo.Args(run_name="test_gae_cut", env=f"{ENVS}:Replies", max_turns=4, total_episodes=16, batch_size=16,
+    shutil.rmtree(f"runs/{run_name}", ignore_errors=True)
+    args = ppo.Args(run_name=run_name, env=f"{ENVS}:{env}", max_turns=4, total_episodes=16, batch_size=16,
                     num_ppo_epochs=1, save_every=0, whiten_advantages=False, gae_across_observations=False)
     ppo.main(args)
-    rollout = seen[0]
+    return seen[0], args
+
+
+@pytest.mark.fast
+def test_the_ablation_restarts_the_trace_at_each_observation(monkeypatch):
+    rollout, args = ablation_rollout(monkeypatch, "Replies", "test_gae_cut")
     rewards, values, mask = (x.double().numpy() for x in (rollout.rewards, rollout.values, rollout.mask))
     adv, ret = gae_per_episode(rewards, values, mask, args.gamma, args.lam, cut=True)
     torch.testing.assert_close(rollout.advantages.double(), torch.from_numpy(adv), atol=1e-5, rtol=1e-5)
@@ -200,20 +206,15 @@ def test_the_ablation_restarts_the_trace_at_each_observation(monkeypatch):
 def test_turns_are_the_envs_steps_even_where_an_observation_is_no_tokens(monkeypatch):
     """Silent's observations are "": nothing of the mask marks where a turn ends. The turns are counted from the
     env's steps, and the ablation still restarts the trace after each turn: the ends are where `generate` stopped."""
-    seen, turn_lengths, real_backward, real_generate = [], [], ppo.minibatch_backward, ppo.generate
+    turn_lengths, real_generate = [], ppo.generate
 
     def generate(*a, **k):
         out = real_generate(*a, **k)
         turn_lengths.append(out[2].tolist())
         return out
     monkeypatch.setattr(ppo, "generate", generate)
-    monkeypatch.setattr(ppo, "minibatch_backward", lambda policy, critic, rollout, *a, **k: (
-        seen.append(rollout), real_backward(policy, critic, rollout, *a, **k))[1])
-    shutil.rmtree("runs/test_silent", ignore_errors=True)
-    args = ppo.Args(run_name="test_silent", env=f"{ENVS}:Silent", max_turns=4, total_episodes=16, batch_size=16,
-                    num_ppo_epochs=1, save_every=0, whiten_advantages=False, gae_across_observations=False)
-    ppo.main(args)
-    rollout, row = seen[0], json.loads(open("runs/test_silent/metrics.jsonl").readline())
+    rollout, args = ablation_rollout(monkeypatch, "Silent", "test_silent")
+    row = json.loads(open("runs/test_silent/metrics.jsonl").readline())
     assert row["env/turns"] == 3 and row["env/turns_when_ended"] == 3  # (1.0 counted from the mask)
     assert rollout.mask.sum().item() == rollout.lengths.sum().item()  # no observation token anywhere
     ends = np.zeros(rollout.mask.shape)
