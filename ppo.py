@@ -76,7 +76,7 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import Annotated, Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -92,282 +92,268 @@ from gae import compute_gae_over_actions
 
 
 # ==============================================================================================
-# Flags: the algorithm's first, then the plumbing's
+# Flags: what to train on first, then in the order of the loop (docs/flags.md says more of each)
 # ==============================================================================================
+# an optional flag (None: off, or a default that depends on other flags, as its help says), shown with its type alone
+OptInt, OptFloat, OptStr = (Annotated[Optional[t], tyro.conf.arg(metavar=t.__name__.upper())] for t in (int, float, str))
+
+
 @dataclass
 class Args:
-    # rollout
+    # what to train, on what
+    model: str = "toy"
+    """an HF causal LM, or a built-in world: toy, chain, guess (docs/worlds.md)"""
+    dataset: OptStr = None
+    """a prompt file, a hub dataset or reasoning-gym:NAME (None: the world's own)"""
+    reward_fn: OptStr = None
+    """FILE.py:NAME (or module:NAME): f(prompts, responses, **columns) -> floats"""
+    reward_model: OptStr = None
+    """an HF sequence classifier, one label (the toy's own unless --reward-fn)"""
     total_episodes: int = 64 * 100
-    """prompts to train on in all (updates = total_episodes // batch_size)"""
+    """prompts to train on in all: updates = total_episodes // batch_size"""
     batch_size: int = 64
     """rollouts per update"""
-    response_length: Optional[int] = None
-    """the most tokens generated per response, per turn with --env (None: 24; 40 with --model chain, whose longest
-    worked answer is 35; the world's own with --model guess)"""
+    learning_rate: float = 3e-4
+    """actor AdamW rate, for the toy's 130K parameters (N+: 3e-6 at 1B-6.9B)"""
+    critic_learning_rate: float = 1e-3
+    """critic AdamW rate (OpenRLHF: 9e-6 with the actor at 1e-6)"""
+    seed: int = 1
+    """seed of python, numpy and torch: the prompt order and the sampler"""
+    run_name: OptStr = None
+    """outputs go to runs/<run_name>/ (None: <exp_name>__<seed>__<unix time>)"""
+
+    # 1-2. rollout: prompts, sampling, the end of a response
+    response_length: OptInt = None
+    """the most tokens per response, per turn with --env (None: 24; 40 with --model chain; guess's own)"""
     temperature: float = 0.7
-    """sampling temperature tau; every log-prob is taken at this temperature (N+: 0.7)"""
+    """sampling temperature tau; every log-prob is taken at it (N+)"""
     top_p: float = 1.0
     """nucleus sampling (1.0 = off); needs --keep-sampling-mask"""
     top_k: int = 0
     """top-k sampling (0 = off); needs --keep-sampling-mask"""
-    stop_tokens: Optional[list[str]] = None
-    """the tokens that end a response (default: the policy's generation_config eos ids, its tokenizer's EOS
-    and the token that ends an assistant turn in its chat template), e.g. --stop-tokens '<|im_end|>'"""
-    logprob_chunk: int = 256
-    """log-probs from the hidden states, this many tokens at a time: no (b, T, V) logits kept (0 = all at once)"""
-    env: Optional[str] = None
-    """multi-turn episodes with an environment class, `FILE.py:NAME` or `module:NAME`, one instance per episode
-    (or a single-player TextArena game by its id, `textarena/GuessTheNumber-v0`):
-    reset(row, seed) -> the first observation, a string or chat messages (row: the dataset row, its extra
-    columns too; seed: from the run's stream, the same for a group); step(action_text) -> (observation,
-    reward, done), the observation None only when done. A string observation is a user message for a chat
-    model (a tool message where its template has that role), raw text otherwise. The return is the sum of
-    the step rewards; each step's reward sits on the last token of its turn. Without --dataset, the class
-    gives its own rows with a static method rows(n, seed) -> list of dicts. Not with --reward-fn / --reward-model"""
-    max_turns: Optional[int] = None
-    """the most agent turns of an episode (None: 1; the world's own with --model guess)"""
-    max_episode_tokens: Optional[int] = None
-    """the most tokens after the first observation, the agent's and the observations' (None: --max-turns x
-    --response-length, plus 64 for each observation); the limit that cuts an episode, as does the model's context"""
     keep_sampling_mask: bool = False
-    """with top-p / top-k: every log-prob (old, new and the reference's) on the truncated distribution the
-    sampler drew from, its support kept from the rollout (DeepSeek-V3.2), so the KL is 0 while policy = reference"""
-
-    # reward
-    kl_coef: float = 0.05
-    """beta, the per-token KL penalty in the reward (N+: 0.05; InstructGPT: 0.02)"""
-    kl_estimator: Optional[Literal["k1", "k2", "k3", "abs"]] = None
-    """per-token KL estimate (http://joschu.net/blog/kl-approx.html): k1 = log p - log p_ref (unbiased);
-    k2 = (log p - log p_ref)^2 / 2; k3 = (r - 1) - log r, r = p_ref / p (>= 0, low variance); abs = |k1|.
-    In the loss what counts is the gradient: k2's is the reverse KL's, k3's (GRPO) a biased one, abs's
-    sign(log p - log p_ref) grad log p; k1's is grad log p, with no reference in it and zero mean on-policy
-    (Tang and Munos 2025), so it is refused there. None: k1 in the reward, k3 in the loss (GRPO's choice)"""
-    kl_in_loss: bool = False
-    """put beta * KL in the loss (GRPO style) instead of the reward (InstructGPT, default)"""
-    kl_target: Optional[float] = None
-    """adaptive KL controller of Ziegler et al. 2019: the KL per response to aim at (None = fixed beta)"""
-    kl_horizon: int = 10000
-    """horizon of the adaptive controller, in episodes"""
-    missing_eos_penalty: Optional[float] = -1.0
-    """score given instead of the reward model's to a response without EOS (N+: -1; None = off)"""
-    bootstrap_truncated: bool = False
-    """bootstrap a response without EOS from the critic's value at the cut, instead of scoring it (GAE only;
-    needs --missing-eos-penalty None, the other treatment of such responses). With --env, an episode cut right
-    after a turn's stop token (the next observation did not fit) takes the value after that token, a state no
-    critic target covers (the targets sit before agent tokens; an observation's comes next): an extrapolation"""
-    overlong_filter: bool = False
-    """responses without EOS leave the policy and value losses (DAPO's over-long filtering)"""
-    overlong_buffer: Optional[int] = None
-    """DAPO's soft over-length penalty: from 0 at --response-length minus this many tokens to -1 at the limit"""
-    whiten_rewards: bool = False
-    """scale per-token rewards to unit variance, mean kept (off in N+)"""
-
-    # advantages
-    gamma: float = 1.0
-    """discount; 1 for bounded responses"""
-    lam: float = 0.95
-    """GAE lambda (N+: 0.95)"""
-    critic_lam: Optional[float] = None
-    """decoupled GAE (VAPO): a lambda of its own for the critic's targets (VAPO: 1.0; None = --lam)"""
-    lam_alpha: Optional[float] = None
-    """length-adaptive lambda of VAPO for the policy's advantages, 1 - 1 / (alpha * length) clamped to [0, 1]
-    (below 1 / alpha tokens the formula goes negative); the critic keeps --lam (VAPO: 0.05; None = off)"""
-    gae_across_observations: bool = True
-    """--env: GAE's trace runs on over the observations between turns (False, an ablation: lambda is 0 on each
-    turn's last token, so the trace restarts there, and that token is bootstrapped from the next turn's first value)"""
-    adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
-    """GAE with the critic; or critic-free, one advantage per response against its group of samples:
-    grpo = score - group mean (over the group std, see --group-std), rloo = score - mean of the others"""
+    """with top-p / top-k: every log-prob on the sampler's truncated support, kept from the rollout (DeepSeek-V3.2)"""
+    stop_tokens: Optional[list[str]] = None
+    """tokens that end a response (None: generation_config's eos ids, the EOS, the chat template's end of turn)"""
     group_size: int = 1
-    """responses sampled per prompt (the groups of grpo / rloo)"""
-    group_std: bool = True
-    """grpo: divide by the group's standard deviation (Dr. GRPO drops it)"""
-    dynamic_sampling: bool = False
-    """grpo / rloo: drop the groups whose samples all got the same score (no signal: a zero advantage) and refill
-    the batch from further prompts, drawn from a stream of their own (DAPO's dynamic sampling)"""
-    dynamic_sampling_rounds: int = 3
-    """the most refill rounds of --dynamic-sampling per update, each a batch of prompts; then train on what there is"""
-    whiten_advantages: Optional[bool] = None
-    """normalise advantages to mean 0, std 1 over valid tokens. None: on for GAE; off for grpo / rloo, whose
-    advantages are already centred per group (re-whitening shifts a group with no signal off 0: a length bias)"""
-
-    # PPO update: the ablation menu
-    num_ppo_epochs: int = 4
-    """K, passes over each rollout batch (N+: 4)"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch; a minibatch is batch_size / num_minibatches rollouts"""
-    micro_batch_size: Optional[int] = None
-    """rollouts per forward/backward on one rank (memory only: gradients are accumulated to the
-    minibatch); None = a rank's whole share of the minibatch"""
-    micro_batch_tokens: Optional[int] = None
-    """instead: micro-batches packed from rows sorted by length, each at most this many padded tokens"""
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """the policy objective: ppo clips each token's ratio; gspo clips each response's ratio, the geometric mean
-    of its tokens' (Zheng et al. 2025); cispo clips the importance weight instead, detached, and weighs the
-    log-prob's gradient with it, so no token loses its gradient (MiniMax-M1, 2025)"""
-    clip_eps: Optional[float] = None
-    """policy ratio clip (None: 0.2, N+; 3e-4 with --policy-loss gspo, the GSPO paper's)"""
-    clip_eps_high: Optional[float] = None
-    """asymmetric clip: the upper bound 1 + clip_eps_high (DAPO: 0.28; None = --clip-eps; 4e-4 with gspo)"""
-    dual_clip: Optional[float] = None
-    """dual clip for negative advantages: the loss is at most -c * A (Ye et al. 2020: c = 3; None = off)"""
-    cispo_cap: float = 5.0
-    """--policy-loss cispo: the importance weight's upper bound, with no lower one (ScaleRL and TRL use 5; the
-    MiniMax-M1 paper tunes only an upper bound); veRL's CISPO equals it with clip_ratio_high = cap - 1 and
-    clip_ratio_low >= 1 (no lower bound)"""
-    loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]] = None
-    """how tokens count in the policy loss: each token the same; each response the same; or summed per
-    response and divided by a constant, --response-length (Dr. GRPO's fix for the length bias). None: token-mean;
-    seq-mean-token-mean with gspo, whose ratio is one per response (the GSPO paper's, and veRL's GSPO example's;
-    veRL's trainer default, token-mean, reaches its GSPO loss too: any is allowed). Rows without a token in the loss
-    (--overlong-filter's) leave the response count: veRL's trainer counts them, 7/6 of ours with one in 7"""
-    target_kl: Optional[float] = None
-    """stop this update's epochs once a minibatch's approx-KL, N+'s mean 0.5 logratio^2, exceeds this (after CleanRL,
-    which stops after the epoch, on the k3 estimate; None = off)"""
-    value_clip_eps: Optional[float] = 0.2
-    """value clip around the rollout-time values (N+: 0.2; None = no value clipping)"""
-    vf_coef: float = 0.1
-    """value loss coefficient (N+: 0.1)"""
-    ent_coef: float = 0.0
-    """entropy bonus coefficient (0 = off)"""
-    critic_warmup_updates: int = 0
-    """updates that train only the critic before the policy moves (VAPO's value pre-training)"""
-    ptx_coef: float = 0.0
-    """PPO-ptx (InstructGPT): weight of a language-modelling loss on --ptx-dataset (0 = off)"""
-    ptx_dataset: Optional[str] = None
-    """texts for PPO-ptx: a .jsonl/.json/.parquet/.csv file with a `text` column (toy world: its SFT corpus)"""
-    learning_rate: float = 3e-4
-    """actor AdamW learning rate; fits the 130K-parameter toy (N+ uses 3e-6 on 1B-6.9B models)"""
-    critic_learning_rate: float = 1e-3
-    """critic AdamW learning rate (OpenRLHF uses 9e-6 with actor 1e-6 on real models)"""
-    max_grad_norm: float = 1.0
-    """clip each model's gradient norm to this (0 = off)"""
-    anneal_lr: bool = True
-    """decay both learning rates linearly to 0 over the run"""
-    ratio_check_tol: float = 1e-2
-    """phase 8: the largest mean |ratio - 1| over the first minibatch before any step (measured on the toy:
-    at most 2e-7 in fp32, 6e-4 in bf16; a pass with dropout on, another temperature or other positions: 0.08+)"""
-
-    # ---------------------------------------------------------------------------------------
-    # plumbing: models, data, engine and scale, run and checkpoints
-
-    # models
-    model: str = "toy"
-    """policy checkpoint (HF causal LM, local path or hub name), or a built-in world: `toy` (toy.py), `chain`
-    (chain.py, verifiable rewards and worked answers) or `guess` (guess.py, multi-turn episodes)"""
-    ref_model: Optional[str] = None
-    """the frozen reference of the KL penalty (default: --model)"""
-    reward_model: Optional[str] = None
-    """reward model (HF sequence classifier, one label); on the toy world its own, unless --reward-fn is given"""
-    reward_fn: Optional[str] = None
-    """a Python reward, `FILE.py:NAME` or `module:NAME`: f(prompts, responses, **columns) -> one float each"""
-    reward_model_weight: float = 1.0
-    """weight of the reward model's score in the total score"""
-    reward_fn_weight: float = 1.0
-    """weight of --reward-fn in the total score"""
-    critic_model: Optional[str] = None
-    """start the critic from this checkpoint instead (a fresh scalar head unless it has one)"""
-    critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
-    """critic start: the reward model (InstructGPT, N+), the policy with a fresh scalar head, or random;
-    auto = the reward model when it shares the policy's tokenizer, else the policy"""
-    trust_remote_code: bool = False
-    """let checkpoints run their own Python code (only for checkpoints you trust)"""
-    lora_rank: int = 0
-    """LoRA (peft) on the policy and the critic, each its own adapter on its own frozen base, the critic's value
-    head trained whole; 0 = full fine-tuning. The reference is the policy with its adapters off (no copy is
-    loaded). RL needs little capacity: rank 1-32 on every linear layer matches full fine-tuning at about 10x
-    its learning rate ("LoRA Without Regret", Thinking Machines 2025)"""
-    lora_alpha: float = 32.0
-    """LoRA's scale is alpha / rank (32: LoRA Without Regret's, for every rank)"""
-    lora_base_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """the adapted layers' frozen weights. bf16 halves the bases' memory (what lets a 7B policy and its critic
-    fit one 80 GB GPU: docs/lora.md) and changes no number, since bf16 autocast rounds a linear layer's
-    weights to bf16 before its matmul anyway; embeddings, norms and the head stay fp32. auto = bf16 where
-    the forwards run in bf16 (--precision) on one process, else fp32 (FSDP2 shards one dtype per layer)"""
-    lora_targets: str = "all-linear"
-    """the modules that get adapters: peft's all-linear (every linear layer but the output head, MLP
-    included) or module names, comma-separated (q_proj,v_proj)"""
-
-    # data
-    dataset: Optional[str] = None
-    """prompts: a local .jsonl/.json/.parquet/.csv file or a hub dataset name (default: the toy world's prompts);
-    or reasoning-gym:NAME, a procedural task of reasoning-gym, generated offline, its own score_answer the reward"""
-    dataset_options: Optional[str] = None
-    """reasoning-gym:NAME: the generator's options as a JSON object, e.g. '{"max_terms": 2}'; "size" (2048) and
-    "seed" (1234) set the training rows, the evaluation rows come from seed + 1"""
-    answer_format: Literal["tag", "raw", "number"] = "tag"
-    """reasoning-gym:NAME: the prompt asks for the answer between <answer> and </answer> and the reward reads the
-    last such tag (reasoning-gym's convention; none: 0); or asks for the answer alone and reads the whole response;
-    or, for tasks whose answer is a number, reads the last number in the response (GSM8K-style; none: 0)"""
+    """responses sampled per prompt, side by side (the groups of grpo / rloo)"""
     prompt_column: str = "prompt"
-    """column holding the prompt: a string, or a list of chat messages rendered with the chat template"""
+    """the prompts' column: strings, or chat messages for the chat template"""
     train_split: str = "train"
     """split of --dataset to train on"""
-    eval_split: Optional[str] = None
-    """split of --dataset to evaluate on (None: --eval-fraction of the training prompts)"""
+    eval_split: OptStr = None
+    """split of --dataset to evaluate on (None: --eval-fraction of its prompts)"""
     eval_fraction: float = 0.05
-    """fraction of the training prompts held out for evaluation when there is no --eval-split"""
+    """share of distinct prompts held out to evaluate, without --eval-split"""
     max_prompt_length: int = 128
     """the most prompt tokens"""
     truncate_prompts: bool = False
     """cut longer prompts to their last --max-prompt-length tokens (and count them) instead of refusing"""
+    dataset_options: OptStr = None
+    """reasoning-gym:NAME's generator options as JSON, e.g. '{"max_terms": 2}'"""
+    answer_format: Literal["tag", "raw", "number"] = "tag"
+    """reasoning-gym:NAME: the answer in <answer> tags (its convention), the whole response, or its last number"""
 
-    # engine and scale
+    # 3. the score, and what a response cut by the length limit gets
+    reward_model_weight: float = 1.0
+    """weight of the reward model's score in the total score"""
+    reward_fn_weight: float = 1.0
+    """weight of --reward-fn in the total score"""
+    missing_eos_penalty: OptFloat = -1.0
+    """the score of a response without EOS, instead of its own (N+; None = off)"""
+    bootstrap_truncated: bool = False
+    """a response without EOS keeps the critic's value after the cut as its future (GAE; --missing-eos-penalty None)"""
+    overlong_filter: bool = False
+    """responses without EOS leave the policy and value losses (DAPO's over-long filtering)"""
+    overlong_buffer: OptInt = None
+    """DAPO's soft over-length penalty: from 0 at the limit minus this many tokens down to -1 at the limit"""
+
+    # 4. reward and KL
+    kl_coef: float = 0.05
+    """beta, the per-token KL penalty (N+: 0.05; InstructGPT: 0.02)"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3", "abs"]] = None
+    """per-token KL estimate, joschu.net/blog/kl-approx.html (None: k1 in the reward, k3 in the loss as GRPO)"""
+    kl_in_loss: bool = False
+    """beta * KL in the loss (GRPO) instead of the reward (InstructGPT)"""
+    kl_target: OptFloat = None
+    """adaptive beta's target KL per response (Ziegler et al. 2019; None = fixed)"""
+    kl_horizon: int = 10000
+    """horizon of the adaptive controller, in episodes (Ziegler et al. 2019)"""
+    whiten_rewards: bool = False
+    """scale per-token rewards to unit variance, mean kept (off in N+)"""
+    ref_model: OptStr = None
+    """the frozen reference of the KL penalty (None: --model)"""
+
+    # 5-6. advantages
+    adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
+    """gae with the critic; or critic-free over each prompt's group: grpo (score - mean) / std, rloo (leave-one-out)"""
+    gamma: float = 1.0
+    """discount; 1 for bounded responses (N+)"""
+    lam: float = 0.95
+    """GAE lambda (N+)"""
+    critic_lam: OptFloat = None
+    """decoupled GAE: a lambda of the critic's own (VAPO: 1.0; None = --lam)"""
+    lam_alpha: OptFloat = None
+    """VAPO's length-adaptive lambda for the policy, 1 - 1 / (alpha * length) in [0, 1] (VAPO: 0.05; None = off)"""
+    group_std: bool = True
+    """grpo: divide by the group's standard deviation (Dr. GRPO drops it)"""
+    dynamic_sampling: bool = False
+    """grpo / rloo: drop the groups all right or all wrong and refill from new questions (DAPO)"""
+    dynamic_sampling_rounds: int = 3
+    """the most refill rounds of --dynamic-sampling per update, a batch of prompts each"""
+    whiten_advantages: Optional[bool] = None
+    """mean 0, std 1 over the tokens in the loss (None: on for gae; off for grpo / rloo, centred per group)"""
+    critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
+    """critic start (auto: the reward model, as InstructGPT and N+, where it shares the policy's tokenizer)"""
+    critic_model: OptStr = None
+    """start the critic from this checkpoint instead (a fresh scalar head unless it has one)"""
+
+    # 7. the PPO update
+    num_ppo_epochs: int = 4
+    """K, passes over each rollout batch (N+)"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch, batch_size / num_minibatches rollouts each"""
+    micro_batch_size: OptInt = None
+    """rollouts per forward and backward on one rank, memory only (None: a rank's whole minibatch)"""
+    micro_batch_tokens: OptInt = None
+    """instead: micro-batches of rows sorted by length, each at most this many padded tokens (veRL)"""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """ppo clips each token's ratio; gspo each response's (Zheng et al. 2025); cispo the weight, detached (MiniMax-M1)"""
+    clip_eps: OptFloat = None
+    """policy ratio clip (None: 0.2, N+; 3e-4 with gspo, the GSPO paper's)"""
+    clip_eps_high: OptFloat = None
+    """asymmetric upper clip 1 + clip_eps_high (DAPO: 0.28; None: --clip-eps, or 4e-4 with gspo)"""
+    dual_clip: OptFloat = None
+    """dual clip for negative advantages: the loss at most -c * A (Ye et al. 2020: c = 3; None = off)"""
+    cispo_cap: float = 5.0
+    """cispo: the importance weight's upper bound, no lower one (ScaleRL, TRL: 5; veRL: clip_ratio_high = cap - 1)"""
+    loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]] = None
+    """tokens equal, responses equal, or a constant divisor (Dr. GRPO) (None: token-mean; seq-mean-token-mean, gspo)"""
+    value_clip_eps: OptFloat = 0.2
+    """value clip around the rollout-time values (N+: 0.2; None = off)"""
+    vf_coef: float = 0.1
+    """value loss coefficient (N+)"""
+    ent_coef: float = 0.0
+    """entropy bonus coefficient (0 = off)"""
+    target_kl: OptFloat = None
+    """stop the epochs at a minibatch approx-KL above this (CleanRL; None = off)"""
+    critic_warmup_updates: int = 0
+    """updates that train only the critic before the policy moves (VAPO's value pre-training)"""
+    ptx_coef: float = 0.0
+    """PPO-ptx (InstructGPT): weight of a language-modelling loss on --ptx-dataset (0 = off)"""
+    ptx_dataset: OptStr = None
+    """texts for PPO-ptx, a file with a `text` column (the toy world: its SFT corpus)"""
+    max_grad_norm: float = 1.0
+    """clip each model's gradient norm to this (0 = off)"""
+    anneal_lr: bool = True
+    """decay both learning rates linearly to 0 over the run"""
+
+    # 8. health check
+    ratio_check_tol: float = 1e-2
+    """the most mean |ratio - 1| on the first minibatch before any step (the toy: 2e-7 fp32, 6e-4 bf16)"""
+    max_nonfinite_steps: int = 3
+    """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
+
+    # agents: multi-turn episodes
+    env: OptStr = None
+    """an environment class FILE.py:NAME or module:NAME (docs/agents.md), or a TextArena game textarena/ID"""
+    max_turns: OptInt = None
+    """the most agent turns of an episode (None: 1; guess's own)"""
+    max_episode_tokens: OptInt = None
+    """the most tokens after the first observation (None: max_turns x response_length + 64 per observation)"""
+    gae_across_observations: bool = True
+    """--env: GAE's trace runs on over observations (False, an ablation: it restarts at each turn's end)"""
+
+    # LoRA (peft)
+    lora_rank: int = 0
+    """LoRA on the policy and the critic; 0 = full fine-tuning (LoRA Without Regret: rank 1-32, 10x the rate)"""
+    lora_alpha: float = 32.0
+    """LoRA's scale is alpha / rank (LoRA Without Regret: 32 for every rank)"""
+    lora_base_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """the frozen bases' dtype (auto: bf16 with bf16 forwards on one process, where autocast rounds them anyway)"""
+    lora_targets: str = "all-linear"
+    """modules with adapters: peft's all-linear (every linear layer but the head) or names, q_proj,v_proj"""
+
+    # scale and engine
     vllm: bool = False
-    """generate with a vLLM engine in this process (under torchrun: one per rank, each holding the whole
-    policy), fed the new weights after every update"""
+    """generate with a vLLM engine in this process (one per rank), fed the new weights after every update"""
     vllm_gpu_memory_utilization: float = 0.3
     """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
     vllm_sleep: bool = True
-    """free the engine's weights and KV cache during the PPO epochs (GPU only; a no-op on CPU builds)"""
-    rollout_is_cap: Optional[float] = None
-    """truncated importance sampling: weight each token's policy loss by min(p_old / p_vllm, cap) (typical 2.0)"""
+    """free the engine's weights and KV cache during the PPO epochs (GPU only)"""
+    rollout_is_cap: OptFloat = None
+    """truncated importance sampling: each token's policy loss times min(p_old / p_vllm, cap) (typical 2.0)"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """bf16: every forward under bf16 autocast, all else fp32; auto = bf16 on a GPU, fp32 on a CPU"""
+    """bf16: every forward under bf16 autocast, all else fp32 (auto: bf16 on a GPU, fp32 on a CPU)"""
+    logprob_chunk: int = 256
+    """the head on this many tokens at a time, no (b, T, V) logits kept (0 = all at once)"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass of policy and critic (less memory, about 30% slower)"""
+    """recompute activations in the backward of policy and critic (less memory, about 30% slower)"""
     shard_frozen: bool = True
     """under torchrun, shard the reference and reward model too (False: a whole copy on each rank)"""
     offload_frozen: bool = False
-    """keep the reference and reward model on the CPU except during the no-grad passes (sharded: FSDP2's
-    CPU offload, each layer gathered onto the device for its forward)"""
+    """keep the reference and reward model on the CPU but for the no-grad passes"""
+    trust_remote_code: bool = False
+    """let checkpoints run their own Python code (only for checkpoints you trust)"""
 
-    # run, evaluation, checkpoints
+    # 10. logging, evaluation, checkpoints
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment; a copy `ppo_idea.py` logs under its own name"""
-    seed: int = 1
-    """seed of python, numpy and torch (the prompt order and the sampler)"""
-    run_name: Optional[str] = None
-    """outputs go to runs/<run_name>/ (default: <exp_name>__<seed>__<unix time>)"""
+    """name of this experiment: a copy ppo_idea.py logs under its own name"""
     track: bool = False
-    """mirror metrics and sample tables to Weights & Biases (WANDB_MODE=offline works offline)"""
+    """mirror metrics and samples to Weights & Biases (WANDB_MODE=offline works offline)"""
     wandb_project: str = "ppo-llm"
     """the wandb project"""
     sample_every: int = 10
-    """write a few (prompt, response, score) rows every this many updates (0 = never)"""
+    """a few (prompt, response, score) rows every this many updates (0 = never)"""
     eval_every: int = 0
     """evaluate every this many updates, and at the end (0 = never)"""
     eval_greedy: bool = False
     """evaluate greedy responses instead of samples at --temperature"""
     eval_size: int = 256
-    """the most evaluation prompts used"""
+    """the most evaluation prompts"""
     eval_samples: int = 1
-    """k responses per evaluation prompt, at --temperature: logs eval/pass@1 .. eval/pass@k (Chen et al. 2021's
-    unbiased estimator from the k samples)"""
+    """k responses per evaluation prompt: eval/pass@1 .. pass@k, unbiased (Chen et al. 2021)"""
     pass_threshold: float = 1.0
-    """a response passes when its score is at least this (1.0: a verifiable reward's "right")"""
-    keep_best: Optional[str] = None
-    """also save the models to runs/<run>/best/ whenever this eval metric (e.g. eval/score) is the highest yet"""
+    """a response passes at this score or above (1.0: a verifiable reward's right)"""
+    keep_best: OptStr = None
+    """also save the models to runs/<run>/best/ whenever this eval metric (eval/score) is the highest yet"""
     save_every: int = 25
-    """write a resumable checkpoint every this many updates (0 = only the final models)"""
+    """a resumable checkpoint every this many updates (0 = only the final models)"""
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep"""
-    resume: Optional[str] = None
-    """a checkpoint folder to continue from, or `auto`: the newest whole one of --run-name"""
-    max_nonfinite_steps: int = 3
-    """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
+    resume: OptStr = None
+    """a checkpoint folder to continue from, or auto: the newest whole one of --run-name"""
     debug: bool = False
     """show Python tracebacks instead of one-line errors"""
+
+    def fill_defaults(self, world):
+        """The defaults that depend on other flags, each as its flag's help states it (config.json holds the result)."""
+        if self.model == "guess":  # the multi-turn world's env and limits
+            import guess
+            self.env, self.max_turns = self.env or guess.ENV, self.max_turns or guess.MAX_TURNS
+            self.response_length = self.response_length or guess.RESPONSE_LENGTH
+        if self.response_length is None:
+            self.response_length = 40 if self.model == "chain" else 24  # chain: its longest worked answer is 35
+        if self.model == "chain" and self.reward_model is None and self.reward_fn is None:
+            self.reward_fn = "chain:reward"  # the chain world's verifiable reward
+        if (self.dataset or "").startswith("reasoning-gym:") and self.reward_model is None and self.reward_fn is None:
+            self.reward_fn = "ppo:reasoning_gym_reward"  # the task's own score_answer
+        self.max_turns = self.max_turns or 1
+        if self.max_episode_tokens is None:  # the turns, and room for an observation between two
+            self.max_episode_tokens = self.max_turns * self.response_length + (self.max_turns - 1) * 64
+        if self.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference
+            self.kl_estimator = "k3" if self.kl_in_loss else "k1"
+        gspo = self.policy_loss == "gspo"  # GSPO's ratios sit near 1 (a mean log-ratio): its paper clips at 3e-4, 4e-4
+        if self.clip_eps_high is None and gspo:
+            self.clip_eps_high = 4e-4 if self.clip_eps is None else self.clip_eps
+        if self.clip_eps is None and self.policy_loss != "cispo":  # (cispo clips the weight, at --cispo-cap)
+            self.clip_eps = 3e-4 if gspo else 0.2
+        self.loss_agg = self.loss_agg or ("seq-mean-token-mean" if gspo else "token-mean")  # GSPO: one ratio a response
+        if self.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
+            self.whiten_advantages = ESTIMATORS[self.adv_estimator]["whiten"]
+        bf16_forwards = self.precision == "bf16" or (self.precision == "auto" and torch.cuda.is_available())
+        if self.lora_base_dtype == "auto":  # FSDP2 shards one dtype per layer: fp32 under torchrun
+            self.lora_base_dtype = "bf16" if self.lora_rank and bf16_forwards and world == 1 else "fp32"
 
 
 # ==============================================================================================
@@ -870,6 +856,30 @@ def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
 
 # --- phases 5-6: group baselines and whitening (GAE is gae.py) --------------------------------
 
+# each estimator's needs, named here once: a critic (GAE's values); groups of G >= 2 samples of one prompt; and
+# whether its advantages are whitened by default (group advantages are centred already: whitening them again
+# shifts a group with no signal off 0, a length bias; GRPO, RLOO, Dr. GRPO and veRL do not)
+ESTIMATORS = {"gae": dict(critic=True, groups=False, whiten=True),
+              "grpo": dict(critic=False, groups=True, whiten=False),  # Shao et al. 2024
+              "rloo": dict(critic=False, groups=True, whiten=False)}  # Ahmadian et al. 2024
+
+
+def gae_advantages(rewards, values, mask, bootstrap_value, turn_ends, args):
+    """GAE over the agent's tokens (gae.py; across an episode's observations), the critic's targets with it, and
+    the variants that change lambda: VAPO's length-adaptive lambda for the policy (--lam-alpha), a lambda of the
+    critic's own (--critic-lam), the trace cut at each turn (--no-gae-across-observations)."""
+    def gae(lam):
+        if not args.gae_across_observations and turn_ends is not None:  # the ablation: lambda 0 on each turn's end
+            lam = torch.as_tensor(lam, device=rewards.device).reshape(-1, 1) * (1 - turn_ends)  # (B, T)
+        return compute_gae_over_actions(rewards, values, mask, args.gamma, lam, bootstrap_value)  # (B, T) each
+    advantages, returns = gae(args.lam)  # (B, T) each
+    if args.lam_alpha is not None:  # VAPO: the policy's lambda nears 1 with the length (the critic keeps --lam)
+        advantages = gae((1 - 1 / (args.lam_alpha * mask.sum(1))).clamp(0, 1))[0]  # (B, T); lambda < 0 below 1/alpha
+    if args.critic_lam is not None:  # decoupled GAE (VAPO): the critic's targets with their own lambda
+        returns = gae(args.critic_lam)[1]  # (B, T)
+    return advantages, returns
+
+
 def group_advantages(seq_rewards, group_size, estimator, divide_by_std=True):
     """Critic-free advantages, one per response, from the other samples of the same prompt.
     seq_rewards: (B,) with each prompt's group_size responses side by side."""
@@ -877,8 +887,9 @@ def group_advantages(seq_rewards, group_size, estimator, divide_by_std=True):
     if estimator == "grpo":  # against the group mean, over the group std (Shao et al. 2024)
         adv = r - r.mean(1, keepdim=True)  # (B/G, G)
         return (adv / (r.std(1, keepdim=True) + 1e-6) if divide_by_std else adv).view(-1)  # (B,)
-    # rloo: against the mean of the others (Ahmadian et al. 2024)
-    return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)  # (B,)
+    if estimator == "rloo":  # against the mean of the others (Ahmadian et al. 2024)
+        return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)  # (B,)
+    raise ValueError(f"no group advantage is defined for --adv-estimator {estimator!r}")
 
 
 def masked_mean(x, mask):
@@ -1170,20 +1181,11 @@ def main(args: Args):
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)  # (B, T)
 
-        # 5. GAE over the agent's tokens (across an episode's observations), or a critic-free baseline from
-        # each prompt's group of samples
-        gae = compute_gae_over_actions  # gae.py's scan on each row's agent tokens (one turn: the scan as it is)
-        if not args.gae_across_observations and turn_ends is not None:  # the ablation: the trace restarts at each
-            # turn (lambda 0 on its last token), empty observations too
-            gae = lambda r, v, m, gamma, lam, boot: compute_gae_over_actions(
-                r, v, m, gamma, torch.as_tensor(lam, device=device).reshape(-1, 1) * (1 - turn_ends), boot)
-        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam, bootstrap_value)  # (B, T) each
-        if args.lam_alpha is not None:  # VAPO: the policy's lambda nears 1 with the length (the critic keeps --lam)
-            lam = (1 - 1 / (args.lam_alpha * mask.sum(1))).clamp(0, 1)  # (B,): < 0 below 1 / alpha agent tokens
-            advantages, _ = gae(rewards, values, mask, args.gamma, lam, bootstrap_value)  # (B, T)
-        if args.critic_lam is not None:  # decoupled GAE (VAPO): the critic's targets with their own lambda
-            _, returns = gae(rewards, values, mask, args.gamma, args.critic_lam, bootstrap_value)
-        if args.adv_estimator != "gae":  # each response's total reward (score + KL penalty) against its group
+        # 5. advantages: GAE with the critic's values (see inside), or each response's total reward against its group
+        if ESTIMATORS[args.adv_estimator]["critic"]:
+            advantages, returns = gae_advantages(rewards, values, mask, bootstrap_value, turn_ends, args)  # (B, T) each
+        else:  # critic-free: the values are 0, and `returns` (the lambda-return) is only logged
+            returns = compute_gae_over_actions(rewards, values, mask, args.gamma, args.lam)[1]  # (B, T)
             seq_adv = group_advantages(rewards.sum(1), args.group_size, args.adv_estimator, args.group_std)  # (B,)
             advantages = seq_adv[:, None] * mask  # (B, T): the response's advantage on each of its tokens
 
@@ -1361,55 +1363,34 @@ def check_args(args, world):
     """Every check that reads only the flags and the world size (after filling in the defaults that depend
     on --model). Returns the rollouts each rank generates, scores and trains on per update, and the number
     of updates."""
-    if args.model == "guess":  # the multi-turn world: its env and its limits, unless given
-        import guess
-        args.env, args.max_turns = args.env or guess.ENV, args.max_turns or guess.MAX_TURNS
-        args.response_length = args.response_length or guess.RESPONSE_LENGTH
-    if args.response_length is None:
-        args.response_length = 40 if args.model == "chain" else 24
-    if args.max_turns is not None and args.max_turns > 1 and args.env is None:
+    env = args.env or args.model == "guess"  # (the guess world brings its env)
+    if args.max_turns is not None and args.max_turns > 1 and not env:
         fail(f"--max-turns {args.max_turns} needs --env: without an environment nothing answers between turns")
-    if args.max_episode_tokens is not None and args.env is None:
+    if args.max_episode_tokens is not None and not env:
         fail("--max-episode-tokens needs --env (a single response's limit is --response-length)")
-    if args.env is not None and (args.reward_fn or args.reward_model):
+    if env and (args.reward_fn or args.reward_model):
         fail("--env gives the rewards: --reward-fn and --reward-model with it are not supported yet")
-    args.max_turns = args.max_turns or 1
-    if args.max_episode_tokens is None:  # the turns, and room for an observation between two
-        args.max_episode_tokens = args.max_turns * args.response_length + (args.max_turns - 1) * 64
-    if args.model == "chain" and args.reward_model is None and args.reward_fn is None:
-        args.reward_fn = "chain:reward"  # the chain world's verifiable reward
-    rgym = (args.dataset or "").startswith("reasoning-gym:")
-    if rgym and args.reward_model is None and args.reward_fn is None:
-        args.reward_fn = "ppo:reasoning_gym_reward"  # the task's own score_answer
-    if (args.dataset_options is not None or args.answer_format != "tag") and not rgym:
-        fail("--dataset-options and --answer-format are for --dataset reasoning-gym:NAME")
-    if args.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference in it
-        args.kl_estimator = "k3" if args.kl_in_loss else "k1"
-    gspo = args.policy_loss == "gspo"  # GSPO's ratios sit near 1 (a mean log-ratio): its paper clips at 3e-4, 4e-4
     if args.policy_loss == "cispo" and (args.clip_eps is not None or args.clip_eps_high is not None):
         fail("--policy-loss cispo clips the importance weight, at --cispo-cap; --clip-eps(-high) do nothing with it")
-    if args.clip_eps_high is None and gspo:  # the paper's upper bound, or --clip-eps's when that is given
-        args.clip_eps_high = 4e-4 if args.clip_eps is None else args.clip_eps
-    if args.clip_eps is None and args.policy_loss != "cispo":
-        args.clip_eps = 3e-4 if gspo else 0.2
-    if args.loss_agg is None:
-        args.loss_agg = "seq-mean-token-mean" if gspo else "token-mean"
+    if args.adv_estimator not in ESTIMATORS:  # (tyro refuses other names; ppo.Args(...) from Python does not)
+        fail(f"--adv-estimator {args.adv_estimator!r} is not one of {', '.join(ESTIMATORS)}")
+    args.fill_defaults(world)
+    if (args.dataset_options is not None or args.answer_format != "tag") and not (args.dataset or "").startswith(
+            "reasoning-gym:"):
+        fail("--dataset-options and --answer-format are for --dataset reasoning-gym:NAME")
     if args.policy_loss != "ppo" and args.dual_clip is not None:
         fail(f"--dual-clip is PPO's (it caps the token surrogate); --policy-loss {args.policy_loss} has none")
-    if args.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
-        args.whiten_advantages = args.adv_estimator == "gae"
     if args.kl_in_loss and args.kl_estimator == "k1":
         fail("--kl-in-loss with --kl-estimator k1 does not regularise: its gradient is that of log p, with no "
              "reference in it (Tang and Munos 2025); use k2 (the reverse KL's gradient), k3 (GRPO's) or abs")
-    if args.adv_estimator != "gae" and (args.bootstrap_truncated or args.critic_lam is not None
-                                        or args.lam_alpha is not None or not args.gae_across_observations):
-        fail(f"--bootstrap-truncated, --critic-lam, --lam-alpha and --no-gae-across-observations need a critic: "
-             f"--adv-estimator {args.adv_estimator} has none (use --adv-estimator gae)")
+    critic = ESTIMATORS[args.adv_estimator]["critic"]
+    if not critic and (args.bootstrap_truncated or args.critic_lam is not None or args.lam_alpha is not None
+                       or not args.gae_across_observations or args.critic_warmup_updates):
+        fail(f"--bootstrap-truncated, --critic-lam, --lam-alpha, --no-gae-across-observations and "
+             f"--critic-warmup-updates need a critic: --adv-estimator {args.adv_estimator} has none (use gae)")
     if args.lora_rank and args.ref_model:
         fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
     bf16_forwards = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available())
-    if args.lora_base_dtype == "auto":
-        args.lora_base_dtype = "bf16" if args.lora_rank and bf16_forwards and world == 1 else "fp32"
     if args.lora_base_dtype == "bf16" and not (args.lora_rank and bf16_forwards and world == 1):
         fail("--lora-base-dtype bf16 needs --lora-rank, forwards in bf16 (--precision bf16) and one process (FSDP2 "
              "shards one dtype per layer): use --lora-base-dtype fp32")
@@ -1492,12 +1473,11 @@ def check_args(args, world):
         fail(f"--batch-size {args.batch_size} must split into {world} rank(s) x --num-minibatches "
              f"{args.num_minibatches} x micro-batches of --micro-batch-size {args.micro_batch_size}")
     local_batch = args.batch_size // world
-    if args.dynamic_sampling and args.adv_estimator == "gae":
+    groups = ESTIMATORS[args.adv_estimator]["groups"]
+    if args.dynamic_sampling and not groups:
         fail("--dynamic-sampling drops the groups of samples that all scored the same, a zero group advantage: it "
              "needs --adv-estimator grpo or rloo (with GAE the critic's baseline still gives such responses a signal)")
-    if args.critic_warmup_updates and args.adv_estimator != "gae":
-        fail("--critic-warmup-updates needs a critic: --adv-estimator gae")
-    if local_batch % args.group_size or (args.adv_estimator != "gae" and args.group_size < 2):
+    if local_batch % args.group_size or (groups and args.group_size < 2):
         fail(f"--group-size {args.group_size} must divide a rank's {local_batch} rollouts, and be >= 2 for "
              f"--adv-estimator {args.adv_estimator} (it compares the samples of one prompt)")
     num_updates = args.total_episodes // args.batch_size
@@ -1698,7 +1678,7 @@ def load_models(args, resume_dir, device, log):
     if reward_path is not None:
         reward_model = ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
     critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
-    if args.adv_estimator != "gae":
+    if not ESTIMATORS[args.adv_estimator]["critic"]:
         critic = None  # critic-free: the group of samples is the baseline
     elif resume_dir and not args.lora_rank:
         critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
