@@ -1,63 +1,44 @@
 """PPO for language models with a critic, in one file: read it top to bottom, fork it, ablate a line.
 
-    python ppo.py                                  # the built-in toy world, CPU, under a minute
+    python ppo.py                                  # the built-in toy world, CPU, about a minute
     python ppo.py --model PATH --reward-model PATH # your HF causal LM and scalar reward model
     torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
-One update (the numbered phases of the loop in `main`, and of the README):
-  1. sample B / G prompts and generate G responses each (G = --group-size, 1 for GAE) at temperature tau;
-     with --env, episodes: the agent's turns and the environment's observations in between (`play`)
+One update, the numbered phases of `main`'s loop (docs/loop.md says more of each):
+  1. sample B / G prompts, G responses each (--group-size; 1 for GAE) at temperature tau (--env: episodes, `play`)
   2. cut each response after its first EOS; the mask keeps the EOS
-  3. the score (RM, --reward-fn; with --dynamic-sampling the groups that all scored the same are dropped and
-     refilled), then no-grad passes: old log-probs (policy), reference log-probs, values (critic)
+  3. the score (reward model, --reward-fn), then no-grad passes: old log-probs, reference log-probs, values
   4. per-token reward: -beta * KL_t on every token, plus the score on the last real token
-  5. GAE (gae.py)
-  6. whiten the advantages over valid tokens
+  5. GAE (gae.py), or a critic-free advantage from each prompt's group of samples
+  6. whiten the advantages over the tokens in the loss
   7. K epochs x minibatches x micro-batches of the clipped policy loss and the clipped value loss
   8. health check: on the first minibatch, before its step, the importance ratio must be 1 (up to rounding)
-  9. push the new weights into the vLLM engine (with --vllm)
- 10. log, save
+  9. push the new weights into the vLLM engine (--vllm);  10. log, save
 
-Four models: policy (trained), reference (frozen copy of the initial policy), reward model
-(sequence classifier with one output, frozen), critic (trained; starts from the reward model as in
-InstructGPT and the N+ reproduction, since it already maps text to a scalar, when the reward model reads
-the policy's tokens; else from the policy with a fresh scalar head). All four are loaded in fp32, whatever
-their checkpoints are stored in; the forwards run under autocast (--precision). With --lora-rank the
-policy and the critic train peft adapters on frozen bases, and the reference is the policy with its
-adapters off: three models' weights in memory, and optimizer states for the adapters and value head alone.
+Four models, all loaded in fp32 and run under autocast (--precision): the policy (trained), the reference (its frozen
+initial copy; with --lora-rank, the policy with its adapters off), the reward model (frozen, one output) and the
+critic (trained; from the reward model as InstructGPT and N+ do, when it reads the policy's tokens).
 
 Choices worth knowing (each one broke a real trainer somewhere):
-- Every log-prob (old, reference, new) and the entropy come from logits / tau, in fp32: the sampler
-  drew from softmax(logits / tau), so that is the distribution whose ratio PPO clips. The head runs
-  in chunks of tokens, recomputed in the backward: no (b, T, V) logits are kept (--logprob-chunk).
-- Dropout is off in all four models and position ids come from the attention mask, so the rollout
-  pass and the training pass compute the same function (phase 8 checks it).
-- A response ends at the first of one set of stop ids (the checkpoint's generation_config eos ids, its
-  tokenizer's EOS, the end-of-turn token of its chat template), the same for generation, the mask, the
-  score slot and the vLLM engine: a chat model's turn often ends with a token that is not its EOS.
-- Masks come from the response lengths, never from `token != pad`; the score lands on the last real
-  token (the EOS, or the last token of a response cut by the length limit). TRL and the N+ code add
-  it one slot after the EOS, with one more value: the same advantages at lambda 1 only.
-- A response cut by the length limit is not finished: its score is replaced by --missing-eos-penalty
-  (N+), or with --bootstrap-truncated the critic's value after the cut stands in for its future, or
-  it leaves the loss (--overlong-filter, DAPO); --overlong-buffer adds DAPO's soft length penalty.
-- Losses are summed over tokens and divided by the valid tokens of the whole minibatch (all
-  micro-batches, all ranks), so neither micro-batches nor ranks change the gradient.
-- The value loss clips around the values stored at rollout time, not around the current
-  prediction (a no-op) nor the previous epoch's.
-- Multi-turn episodes (--env) keep the agent's tokens as sampled (decoding and re-tokenizing them
-  changes ids) and append each observation's tokens once; an action mask, 1 on the agent's tokens
-  only, stands in for the response mask everywhere; each step's reward sits on its turn's last agent
-  token; GAE runs over the agent's tokens, across the observations (gae.py).
-- top-p / top-k are refused unless --keep-sampling-mask scores every pass on the sampler's
-  truncated support: outside it the importance ratio is unbounded.
-- With separate AdamW optimisers for actor and critic, --vf-coef only matters through gradient
-  clipping and Adam's epsilon; it is kept so runs compare with the N+ recipe line by line.
+- Every log-prob (old, reference, new) and the entropy come from logits / tau in fp32: the sampler drew from
+  softmax(logits / tau). Dropout is off and position ids come from the attention mask, so rollout and training
+  passes compute one function (phase 8 checks it).
+- One set of stop ids ends a response everywhere (generation, mask, score slot, vLLM): the checkpoint's
+  generation_config eos ids, its EOS and its chat template's end of turn.
+- Masks come from the response lengths, never from `token != pad`; the score lands on the last real token (TRL and
+  N+ put it one slot after the EOS: the same advantages at lambda 1 only).
+- A response cut by the length limit is unfinished: --missing-eos-penalty replaces its score (N+), or
+  --bootstrap-truncated takes the critic's value at the cut, or --overlong-filter drops it (DAPO).
+- Losses are sums over tokens divided by the valid tokens of the whole minibatch (all micro-batches, all ranks), so
+  neither micro-batches nor ranks change the gradient. The value loss clips around the rollout-time values.
+- Agents' episodes (--env) keep the sampled token ids and append each observation's tokens once; an action mask
+  stands in for the response mask; each step's reward sits on its turn's last token; GAE runs over the agent's tokens.
+- top-p / top-k are refused unless --keep-sampling-mask scores every pass on the sampler's support.
+- With two AdamW optimisers, --vf-coef matters only through clipping and Adam's epsilon; kept to compare with N+.
 
-Reading order: the flags (the algorithm's first), the algorithm (tensors in, tensors out, in phase
-order), `main` (its setup reads as a table of contents, then the loop), then the plumbing.
-Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded), T response tokens
-(right-padded after the EOS), V vocabulary.
+Reading order: the flags, the algorithm (tensors in, tensors out, in phase order), `main`, then the plumbing.
+Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded), T response tokens (right-padded
+after the EOS), V vocabulary.
 """
 import contextlib
 import copy
@@ -95,7 +76,8 @@ from gae import compute_gae_over_actions
 # Flags: what to train on first, then in the order of the loop (docs/flags.md says more of each)
 # ==============================================================================================
 # an optional flag (None: off, or a default that depends on other flags, as its help says), shown with its type alone
-OptInt, OptFloat, OptStr = (Annotated[Optional[t], tyro.conf.arg(metavar=t.__name__.upper())] for t in (int, float, str))
+OptInt, OptFloat, OptStr = (Annotated[Optional[t], tyro.conf.arg(metavar=t.__name__.upper())]
+                            for t in (int, float, str))
 
 
 @dataclass
@@ -218,7 +200,7 @@ class Args:
     micro_batch_tokens: OptInt = None
     """instead: micro-batches of rows sorted by length, each at most this many padded tokens (veRL)"""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """ppo clips each token's ratio; gspo each response's (Zheng et al. 2025); cispo the weight, detached (MiniMax-M1)"""
+    """ppo clips each token's ratio; gspo each response's (Zheng et al. 2025); cispo the weight, detached (MiniMax)"""
     clip_eps: OptFloat = None
     """policy ratio clip (None: 0.2, N+; 3e-4 with gspo, the GSPO paper's)"""
     clip_eps_high: OptFloat = None
@@ -360,7 +342,7 @@ class Args:
 # The algorithm: tensors in, tensors out, in the order of the phases
 # ==============================================================================================
 
-# --- across ranks (torchrun): sums and maxima, themselves on one process -----------------------
+# --- across ranks (torchrun): sums, themselves on one process ---------------------------------
 
 def global_sum(x):
     """Sum of a tensor over all ranks (itself with one process). Under torchrun every statistic that
@@ -372,16 +354,7 @@ def global_sum(x):
     return x
 
 
-def global_max(x, device):
-    """The largest value of a float over all ranks (NCCL reduces GPU tensors only, hence the device)."""
-    if rank_and_world()[1] == 1:
-        return x
-    x = torch.tensor(x, device=device)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x.item()
-
-
-# --- phases 1-2: generate, cut after the first EOS --------------------------------------------
+# --- phases 1-2: generate, cut after the first EOS; then agents' episodes, dynamic sampling ---
 
 def prompt_order(update, n_rows, args, rank, local_batch):
     """This rank's prompt rows of an update: each pass over the prompt set in a fresh order drawn from a
@@ -394,36 +367,6 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     offset = start - (start // n_rows) * n_rows
     batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
-
-
-def refill_order(update, refill, questions, args, rank, world):
-    """--dynamic-sampling's prompt rows for refill round `refill` of an update, laid out as `prompt_order`'s: up to a
-    batch of questions the update has not drawn (in its batch or an earlier round, on any rank; `questions` (n_rows,)
-    numbers each row's question, so rows that repeat one compare equal), in an order of their own seeded by (seed,
-    update, round): the main prompt stream, and where a resumed run finds itself in it, stay as they are without
-    the flag. Fewer when fewer are left (as many on each rank); None when none are."""
-    n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
-    drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
-    for r in range(1, refill + 1):
-        order = np.random.default_rng([args.seed, update, r]).permutation(n_rows)  # (n_rows,)
-        order = order[~np.isin(questions[order], questions[drawn])]  # the questions not drawn yet...
-        order = order[np.sort(np.unique(questions[order], return_index=True)[1])][:n_prompts]  # ...each once
-        order = order[:len(order) // world * world]  # equal shares
-        if len(order) == 0:
-            return None
-        drawn = np.concatenate([drawn, order])
-    batch_idx = np.repeat(order, args.group_size)  # (b,): groups side by side
-    share = len(batch_idx) // world
-    return batch_idx[rank * share: (rank + 1) * share]  # (b / N,)
-
-
-def env_seeds(args, update, rank, n, refill=0):
-    """This rank's episode seeds of an update, from (seed, update, rank) alone, so a resumed run replays the
-    same episodes; a group's G episodes share theirs (the same task, G tries). A refill round of
-    --dynamic-sampling adds its number to the key. (Evaluation's: `evaluation_seeds`.)"""
-    key = [args.seed, update, rank, 0] + ([refill] if refill else [])
-    seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
-    return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
 
 
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
@@ -465,18 +408,61 @@ def response_lengths(responses, stop_ids):
     return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
 
 
+class Sampled(NamedTuple):
+    """B rollouts after phases 1-2, scored: what `sample` returns and --dynamic-sampling filters and joins."""
+    rows: list  # B prompt rows: the prompt and any extra columns (--env: the episode's row)
+    query_responses: torch.Tensor  # (B, P+T)
+    attention_mask: torch.Tensor  # (B, P+T)
+    lengths: torch.Tensor  # (B,)
+    has_eos: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T): --env: the action mask, 1 on the agent's tokens only
+    P: int
+    engine_logprobs: Optional[torch.Tensor]  # (B, T): --vllm's, else None
+    turn_rewards: Optional[torch.Tensor]  # (B, T): --env, each step's reward on the last agent token of its turn
+    turn_ends: Optional[torch.Tensor]  # (B, T): --env, 1 on the last agent token of each turn
+    texts: list  # B decoded responses
+    scores: torch.Tensor  # (B,): the total score, before phase 4's treatment of long responses
+    score_parts: dict  # each weighted component's (B,)
+
+
+def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False):
+    """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score under
+    no_grad, on the policy's tokens and the decoded texts (--offload-frozen: the reward model on the device)."""
+    policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
+    rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
+    with amp:
+        if models.env is None:
+            qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
+                policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm)
+        else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
+            qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends = play(
+                models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm)
+    texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
+    move(models.swapped, device)
+    with torch.no_grad(), amp:
+        scores, parts = score(models, args, rows, texts, qr, am, lengths, P, micro, turn_rewards)  # (B,)
+    move(models.swapped, "cpu")
+    return Sampled(rows, qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends, texts, scores,
+                   parts)
+
+
+def env_seeds(args, update, rank, n, refill=0):
+    """This rank's episode seeds of an update, from (seed, update, rank) alone, so a resumed run replays the
+    same episodes; a group's G episodes share theirs (the same task, G tries). A refill round of
+    --dynamic-sampling adds its number to the key. (Evaluation's: `evaluation_seeds`.)"""
+    key = [args.seed, update, rank, 0] + ([refill] if refill else [])
+    seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
+    return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
+
+
 def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, synced=False, llm=None):
-    """Phases 1-2 for multi-turn episodes (--env), one `env_class` instance each, the turns in lockstep:
-    each unfinished episode samples a turn through `generate` (cut after its first stop id or at
-    --response-length), its env steps on the turn's decoded text, and the observation's tokens are
-    appended. The agent's tokens stay the sampled ids: decoding and re-tokenizing them can change the ids
-    (TRL #5224, veRL #6719), and the trainer would score tokens the sampler never drew. An episode ends
-    when its env says done (has_eos), or is cut: at --max-turns, at --max-episode-tokens, or where the
-    next observation and a whole turn would not fit in the model's context (vLLM's max_model_len). Returns
-    `generate`'s tuple for the episodes after the first observation, with the action mask as `mask`
-    (1 on sampled tokens, each turn's stop token included; 0 on observations and padding), the step
-    rewards (B, T), each on the last agent token of its turn, and the turns' ends (B, T), 1 on those tokens
-    (the mask cannot tell two turns apart where an observation is no tokens)."""
+    """Phases 1-2 for multi-turn episodes (--env), one `env_class` instance each, the turns in lockstep: each
+    unfinished episode samples a turn (`generate`), its env steps on the decoded text, and the observation's tokens
+    are appended. The agent's tokens stay the sampled ids (decoding and re-tokenizing can change them: TRL #5224,
+    veRL #6719). An episode ends when its env says done (has_eos), or is cut: at --max-turns, --max-episode-tokens,
+    or where the next observation and a turn would not fit the context. Returns `generate`'s tuple after the first
+    observation, the action mask as `mask` (1 on sampled tokens, 0 on observations and padding), the step rewards
+    (B, T) on each turn's last agent token, and the turns' ends (B, T), 1 there (an observation may be no tokens)."""
     stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
     context = min(getattr(policy.config, "max_position_embeddings", None) or math.inf,
                   args.max_prompt_length + args.max_episode_tokens if llm is not None else math.inf)  # positions
@@ -531,52 +517,31 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
             padded(ends, 0.0))
 
 
-class Sampled(NamedTuple):
-    """B rollouts after phases 1-2, scored: what `sample` returns and --dynamic-sampling filters and joins."""
-    rows: list  # B prompt rows: the prompt and any extra columns (--env: the episode's row)
-    query_responses: torch.Tensor  # (B, P+T)
-    attention_mask: torch.Tensor  # (B, P+T)
-    lengths: torch.Tensor  # (B,)
-    has_eos: torch.Tensor  # (B,)
-    mask: torch.Tensor  # (B, T): --env: the action mask, 1 on the agent's tokens only
-    P: int
-    engine_logprobs: Optional[torch.Tensor]  # (B, T): --vllm's, else None
-    turn_rewards: Optional[torch.Tensor]  # (B, T): --env, each step's reward on the last agent token of its turn
-    turn_ends: Optional[torch.Tensor]  # (B, T): --env, 1 on the last agent token of each turn
-    texts: list  # B decoded responses
-    scores: torch.Tensor  # (B,): the total score, before phase 4's treatment of long responses
-    score_parts: dict  # each weighted component's (B,)
-
-
-def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False):
-    """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score under
-    no_grad, on the policy's tokens and the decoded texts (--offload-frozen: the reward model on the device)."""
-    policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
-    rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
-    with amp:
-        if models.env is None:
-            qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
-                policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm)
-        else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
-            qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends = play(
-                models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm)
-    texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
-    move(models.swapped, device)
-    with torch.no_grad(), amp:
-        scores, parts = score(models, args, rows, texts, qr, am, lengths, P, micro, turn_rewards)  # (B,)
-    move(models.swapped, "cpu")
-    return Sampled(rows, qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends, texts, scores,
-                   parts)
+def refill_order(update, refill, questions, args, rank, world):
+    """--dynamic-sampling's prompt rows for refill round `refill`, laid out as `prompt_order`'s: up to a batch of
+    questions the update has not drawn on any rank (`questions` (n_rows,) numbers each row's question), in an order
+    seeded by (seed, update, round), so the main stream stays as is. As many on each rank; None if none is left."""
+    n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
+    drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
+    for r in range(1, refill + 1):
+        order = np.random.default_rng([args.seed, update, r]).permutation(n_rows)  # (n_rows,)
+        order = order[~np.isin(questions[order], questions[drawn])]  # the questions not drawn yet...
+        order = order[np.sort(np.unique(questions[order], return_index=True)[1])][:n_prompts]  # ...each once
+        order = order[:len(order) // world * world]  # equal shares
+        if len(order) == 0:
+            return None
+        drawn = np.concatenate([drawn, order])
+    batch_idx = np.repeat(order, args.group_size)  # (b,): groups side by side
+    share = len(batch_idx) // world
+    return batch_idx[rank * share: (rank + 1) * share]  # (b / N,)
 
 
 def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
-    """DAPO's dynamic sampling (Yu et al. 2025). A group whose G samples all got the same score (the task's, before
-    phase 4's length shaping and KL penalty: DAPO keeps the groups that are neither all right nor all wrong) has a
-    zero advantage on every token: it is dropped, and further groups are sampled from `refill_order`'s stream, a
-    batch of new questions a round, for at most --dynamic-sampling-rounds rounds or until every rank holds its batch
-    of groups with a signal. Every rank keeps the same number of them, the fewest any rank holds (so all take the
-    same minibatches: a sharded forward needs every rank); surplus groups are discarded. With none anywhere, the
-    batch trains as it came. Returns the batch and its metrics."""
+    """DAPO's dynamic sampling (Yu et al. 2025): a group whose G samples all got the same score (the task's,
+    before phase 4's length shaping: all right or all wrong) has a zero advantage; it is dropped, and new questions
+    are sampled (`refill_order`), for at most --dynamic-sampling-rounds rounds or until every rank holds its batch.
+    Every rank keeps as many groups as the rank holding the fewest (a sharded forward needs every rank); with none
+    anywhere, the batch trains as it came. Returns the batch and its metrics."""
     rank, world = rank_and_world()
     G, B = args.group_size, len(batch.lengths)
     # the question of each row, by text (gcd's 2,048 rows hold 364); with --env an episode is its row and its seed
@@ -614,25 +579,6 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
 #   critic output   V_0    V_1    V_2    ...   V_L       V_t: the value before a_t; V_L, after the EOS
 #   reward model                               score     read at the last real token; joins reward[L-1]
 
-def micro_batches(lengths, P, rows, budget=None):
-    """The row indices of each micro-batch: `rows` rows at a time in order; or, with a token `budget`,
-    rows sorted by length and packed so that each micro-batch's padded size, its rows x (P + its longest
-    response), stays within the budget (verl's dynamic batch size). Every rank gets as many, since a
-    sharded model's forward needs all ranks: the largest are halved until the counts agree."""
-    order = torch.arange(len(lengths), device=lengths.device)  # (B,)
-    if budget is None:
-        batches = list(order.split(rows))
-    else:
-        order, batches = lengths.argsort(descending=True, stable=True), []  # (B,): longest first
-        while len(order):
-            n = max(1, budget // (P + int(lengths[order[0]])))  # the first row is the longest of its batch
-            batches, order = batches + [order[:n]], order[n:]
-    most = global_max(float(len(batches)), lengths.device)  # one all-reduce on every rank
-    while len(batches) < most:
-        i = max(range(len(batches)), key=lambda j: len(batches[j]))
-        batches[i: i + 1] = list(batches[i].chunk(2))
-    return batches
-
 
 def move(models, device):
     for model in models:
@@ -668,7 +614,9 @@ def policy_logprobs(model, query_responses, attention_mask, P, temperature, with
     derived from these logits with `sampler_filter` = (top_k, top_p), as the sampler did, plus the drawn
     token (DeepSeek-V3.2's keep-sampling-mask); or None, the full softmax. The head runs on `chunk` tokens
     at a time if > 0."""
-    if chunk > 0:
+    if chunk > 0:  # the default (--logprob-chunk 256): these numbers from the hidden states, the head on `chunk`
+        # tokens at a time, no (b, T, V) logits kept (`chunked_logprobs`, in the plumbing; equal to this path with
+        # gradients: tests/test_oracles.py::test_chunked_head_equals_the_plain_path_with_gradients)
         return chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep,
                                 sampler_filter)
     b, T = query_responses.shape[0], query_responses.shape[1] - P
@@ -678,48 +626,6 @@ def policy_logprobs(model, query_responses, attention_mask, P, temperature, with
         keep = (support & attention_mask[:, P:, None].bool()).flatten(0, 1).nonzero(as_tuple=True)  # (N,) each
     support = None if keep is None else dense_support(keep, b * T, logits.shape[-1]).view(b, T, -1)  # (b, T, V)
     return *logprobs_from_logits(logits, query_responses[:, P:], temperature, with_entropy, support), keep
-
-
-def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
-                     sampler_filter=None):
-    """The same log-probs, entropies (b, T) and support pairs, without the (b, T, V) logits: the model runs
-    up to its head, which is then applied to `chunk` response positions at a time. With a gradient, each
-    chunk's (chunk, V) logits are rebuilt in the backward instead of kept (`HeadLogprobs`; verl's fused
-    head does the same). Needs a plain linear head (`chunked_head_works`)."""
-    T = query_responses.shape[1] - P
-    head, captured = model.get_output_embeddings(), []
-
-    def take_hidden(module, inputs):  # the head's input, (b, T+1, H); the head itself then runs on nothing
-        captured.append(inputs[0])
-        return (inputs[0][:, :0],)
-    hook = head.register_forward_pre_hook(take_hidden)
-    try:  # the model's own forward (under FSDP2 too), which leaves the root's head weight gathered
-        forward(model, query_responses, attention_mask, logits_to_keep=T + 1)
-    finally:
-        hook.remove()
-    hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
-    tokens = query_responses[:, P:].flatten()  # (b*T,)
-    valid = attention_mask[:, P:].flatten().bool()  # (b*T,): padding was not sampled
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    parts = []
-    for i in range(0, len(tokens), chunk):
-        j = min(i + chunk, len(tokens))
-        chunk_keep = None
-        if keep is not None:  # the pairs of positions i..j-1 (sorted by position), renumbered from 0
-            lo, hi = torch.searchsorted(keep[0], torch.tensor([i, j], device=tokens.device)).tolist()
-            chunk_keep = (keep[0][lo:hi] - i, keep[1][lo:hi])
-        if torch.is_grad_enabled():  # (the sampler's support is only found in the no-grad rollout pass)
-            parts.append(HeadLogprobs.apply(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature,
-                                            with_entropy, softcap, *(chunk_keep or (None, None))) + (None,))
-        else:
-            sampler = sampler_filter and (*sampler_filter, valid[i:j])
-            parts.append(head_chunk(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature, with_entropy,
-                                    softcap, chunk_keep, sampler))
-    logprobs = torch.cat([p[0] for p in parts]).view(-1, T)  # (b, T)
-    entropy = torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None  # (b, T)
-    if sampler_filter is not None:  # the pairs found, numbered over all b*T positions again
-        keep = (torch.cat([p[2][0] + i * chunk for i, p in enumerate(parts)]), torch.cat([p[2][1] for p in parts]))
-    return logprobs, entropy, keep
 
 
 def state_values(value_model, query_responses, attention_mask, P):
@@ -808,14 +714,20 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
     return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
 
 
-def adaptive_kl_coef(kl_coef, kl, args):
-    """Ziegler et al. 2019 (--kl-target): beta moves by the clipped relative error of the KL per response."""
-    if args.kl_target is None:
-        return kl_coef
-    # over the responses trained on, all ranks' (--dynamic-sampling may train fewer than --batch-size)
-    total, n = global_sum(torch.tensor([kl.sum().item(), float(len(kl))], device=kl.device)).tolist()
-    error = float(np.clip(total / n / args.kl_target - 1, -0.2, 0.2))
-    return kl_coef * (1 + error * n / args.kl_horizon)
+def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
+    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
+    the EOS, or the last token of a response cut by the length limit. Never on padding. With --env, each
+    step's reward `turn_rewards` (B, T) stays on its turn's last agent token, and the last one takes what
+    makes the sum the score (the return, unless phase 4 replaced it: a cut episode's penalty)."""
+    non_score_reward = -kl_coef * kl  # (B, T)
+    rewards = non_score_reward.clone()  # (B, T)
+    last = (torch.arange(len(rewards)), lengths - 1)  # the episode ends on an agent token
+    if turn_rewards is not None:
+        earlier = turn_rewards.index_put(last, torch.zeros_like(scores))  # (B, T): the steps before the last
+        rewards = rewards + earlier  # (B, T)
+        scores = scores - earlier.sum(1)  # (B,)
+    rewards[last] += scores
+    return rewards, non_score_reward
 
 
 def long_responses(scores, has_eos, lengths, next_values, args):
@@ -838,20 +750,14 @@ def long_responses(scores, has_eos, lengths, next_values, args):
     return scores, bootstrap_value
 
 
-def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
-    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
-    the EOS, or the last token of a response cut by the length limit. Never on padding. With --env, each
-    step's reward `turn_rewards` (B, T) stays on its turn's last agent token, and the last one takes what
-    makes the sum the score (the return, unless phase 4 replaced it: a cut episode's penalty)."""
-    non_score_reward = -kl_coef * kl  # (B, T)
-    rewards = non_score_reward.clone()  # (B, T)
-    last = (torch.arange(len(rewards)), lengths - 1)  # the episode ends on an agent token
-    if turn_rewards is not None:
-        earlier = turn_rewards.index_put(last, torch.zeros_like(scores))  # (B, T): the steps before the last
-        rewards = rewards + earlier  # (B, T)
-        scores = scores - earlier.sum(1)  # (B,)
-    rewards[last] += scores
-    return rewards, non_score_reward
+def adaptive_kl_coef(kl_coef, kl, args):
+    """Ziegler et al. 2019 (--kl-target): beta moves by the clipped relative error of the KL per response."""
+    if args.kl_target is None:
+        return kl_coef
+    # over the responses trained on, all ranks' (--dynamic-sampling may train fewer than --batch-size)
+    total, n = global_sum(torch.tensor([kl.sum().item(), float(len(kl))], device=kl.device)).tolist()
+    error = float(np.clip(total / n / args.kl_target - 1, -0.2, 0.2))
+    return kl_coef * (1 + error * n / args.kl_horizon)
 
 
 # --- phases 5-6: group baselines and whitening (GAE is gae.py) --------------------------------
@@ -911,7 +817,7 @@ def masked_whiten(x, mask, shift_mean=True):
     return whitened * mask  # padding stays exactly 0
 
 
-# --- phases 7-8: the losses, one minibatch's backward, the health check, the optimizer step ---------
+# --- phases 7-8: the losses, a minibatch's backward, the health check, a step; then GSPO, CISPO ---
 
 @dataclass
 class Rollout:
@@ -954,39 +860,6 @@ def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=
         losses = torch.where(capped, -dual_clip * advantages, losses)  # (b, t)
         clipped = clipped | capped  # (b, t)
     return losses, ratio, logratio, clipped.float()
-
-
-def gspo_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high):
-    """GSPO: PPO's clipped surrogate on each response's ratio s = exp(mean of its tokens' log-ratios), the
-    length-normalised sequence likelihood ratio, in its token form (as veRL): s_t = sg(s) p_t / sg(p_t), whose
-    value is s and whose gradient is s grad log p_t. Same returns as `policy_loss`; `ratio` holds s on each token."""
-    logratio = new_logprobs - old_logprobs  # (b, t)
-    seq_logratio = (logratio * mask).sum(1) / mask.sum(1).clamp(min=1)  # (b,): log s, over the agent's tokens
-    log_s = new_logprobs - new_logprobs.detach() + seq_logratio.detach()[:, None]  # (b, t): value log s, token grad
-    ratio = torch.exp(log_s.clamp(max=10.0))  # (b, t): veRL's bound against overflow
-    pg_losses = -advantages * ratio  # (b, t)
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (b, t)
-    clipped = pg_losses2 > pg_losses  # (b, t): whole responses, counted on each of their tokens (as veRL)
-    return torch.max(pg_losses, pg_losses2), ratio, logratio, clipped.float()
-
-
-def cispo_loss(new_logprobs, old_logprobs, advantages, cap):
-    """CISPO: -sg(min(r, cap)) A log p per token. The weight is clipped, not the update: every token keeps a
-    gradient, sg(min(r, cap)) A grad log p, where PPO's clip zeroes it. Same returns as `policy_loss`."""
-    logratio = (new_logprobs - old_logprobs).clamp(-20.0, 20.0)  # (b, t): veRL's bound against overflow
-    ratio = torch.exp(logratio)  # (b, t)
-    weight = ratio.clamp(max=cap).detach()  # (b, t): no gradient through the weight
-    clipped = ratio > cap  # (b, t): where the weight was capped (veRL: ratio != clipped ratio)
-    return -weight * advantages * new_logprobs, ratio, logratio, clipped.float()
-
-
-def policy_objective(new_logprobs, old_logprobs, advantages, mask, args):
-    """--policy-loss's per-token losses (b, t), with the ratio, log-ratio and clipped indicator of each token."""
-    if args.policy_loss == "gspo":  # one ratio per response (Zheng et al. 2025)
-        return gspo_loss(new_logprobs, old_logprobs, advantages, mask, args.clip_eps, args.clip_eps_high)
-    if args.policy_loss == "cispo":  # the clipped weight, detached, times log p (MiniMax-M1)
-        return cispo_loss(new_logprobs, old_logprobs, advantages, args.cispo_cap)
-    return policy_loss(new_logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
 
 
 def value_loss(new_values, old_values, returns, value_clip_eps):
@@ -1068,15 +941,6 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
     return stats
 
 
-def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp):
-    """PPO-ptx (InstructGPT): the language-modelling loss of `rows` texts drawn from the supervised set."""
-    batch = tokenizer.pad({"input_ids": [ptx_ids[i] for i in torch.randint(len(ptx_ids), (rows,))]},
-                          padding_side="right", return_tensors="pt").to(device)
-    labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)  # (b, L): no loss on padding
-    with amp:
-        return policy(**batch, labels=labels).loss
-
-
 def ratio_health(update, mb_stats, ratio_dev_max, tol, device):
     """Phase 8, on the first minibatch of the update, before its optimizer step: the policy has not moved
     yet, so every ratio is 1 up to rounding, and the mean |ratio - 1| over the minibatch (all ranks) must
@@ -1105,6 +969,48 @@ def optimizer_step(models, optimizers, max_grad_norm):
     for m in models:
         m.zero_grad(set_to_none=True)
     return finite, norms
+
+
+def gspo_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high):
+    """GSPO: PPO's clipped surrogate on each response's ratio s = exp(mean of its tokens' log-ratios), the
+    length-normalised sequence likelihood ratio, in its token form (as veRL): s_t = sg(s) p_t / sg(p_t), whose
+    value is s and whose gradient is s grad log p_t. Same returns as `policy_loss`; `ratio` holds s on each token."""
+    logratio = new_logprobs - old_logprobs  # (b, t)
+    seq_logratio = (logratio * mask).sum(1) / mask.sum(1).clamp(min=1)  # (b,): log s, over the agent's tokens
+    log_s = new_logprobs - new_logprobs.detach() + seq_logratio.detach()[:, None]  # (b, t): value log s, token grad
+    ratio = torch.exp(log_s.clamp(max=10.0))  # (b, t): veRL's bound against overflow
+    pg_losses = -advantages * ratio  # (b, t)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)  # (b, t)
+    clipped = pg_losses2 > pg_losses  # (b, t): whole responses, counted on each of their tokens (as veRL)
+    return torch.max(pg_losses, pg_losses2), ratio, logratio, clipped.float()
+
+
+def cispo_loss(new_logprobs, old_logprobs, advantages, cap):
+    """CISPO: -sg(min(r, cap)) A log p per token. The weight is clipped, not the update: every token keeps a
+    gradient, sg(min(r, cap)) A grad log p, where PPO's clip zeroes it. Same returns as `policy_loss`."""
+    logratio = (new_logprobs - old_logprobs).clamp(-20.0, 20.0)  # (b, t): veRL's bound against overflow
+    ratio = torch.exp(logratio)  # (b, t)
+    weight = ratio.clamp(max=cap).detach()  # (b, t): no gradient through the weight
+    clipped = ratio > cap  # (b, t): where the weight was capped (veRL: ratio != clipped ratio)
+    return -weight * advantages * new_logprobs, ratio, logratio, clipped.float()
+
+
+def policy_objective(new_logprobs, old_logprobs, advantages, mask, args):
+    """--policy-loss's per-token losses (b, t), with the ratio, log-ratio and clipped indicator of each token."""
+    if args.policy_loss == "gspo":  # one ratio per response (Zheng et al. 2025)
+        return gspo_loss(new_logprobs, old_logprobs, advantages, mask, args.clip_eps, args.clip_eps_high)
+    if args.policy_loss == "cispo":  # the clipped weight, detached, times log p (MiniMax-M1)
+        return cispo_loss(new_logprobs, old_logprobs, advantages, args.cispo_cap)
+    return policy_loss(new_logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
+
+
+def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp):
+    """PPO-ptx (InstructGPT): the language-modelling loss of `rows` texts drawn from the supervised set."""
+    batch = tokenizer.pad({"input_ids": [ptx_ids[i] for i in torch.randint(len(ptx_ids), (rows,))]},
+                          padding_side="right", return_tensors="pt").to(device)
+    labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)  # (b, L): no loss on padding
+    with amp:
+        return policy(**batch, labels=labels).loss
 
 
 # ==============================================================================================
@@ -1360,9 +1266,8 @@ def open_or_empty(path):
 
 
 def check_args(args, world):
-    """Every check that reads only the flags and the world size (after filling in the defaults that depend
-    on --model). Returns the rollouts each rank generates, scores and trains on per update, and the number
-    of updates."""
+    """Every check that reads only the flags and the world size, after `Args.fill_defaults`. Returns the
+    rollouts each rank generates, scores and trains on per update, and the number of updates."""
     env = args.env or args.model == "guess"  # (the guess world brings its env)
     if args.max_turns is not None and args.max_turns > 1 and not env:
         fail(f"--max-turns {args.max_turns} needs --env: without an environment nothing answers between turns")
@@ -1403,63 +1308,34 @@ def check_args(args, world):
              "(unbounded ratios): add --keep-sampling-mask, or use temperature only")
     if sampler_filter and args.vllm:
         fail("--top-p/--top-k with --vllm are not supported yet: the sampling mask is taken from HF's own filters")
-    a, unit = args, lambda x: x is None or 0 <= x <= 1  # (NaN fails every comparison below)
-    for ok, what in (  # every flag with a range
-            (a.temperature > 0 and math.isfinite(a.temperature), "--temperature must be > 0: log-probs are "
-             "taken from logits / tau"),
-            (a.response_length > 0 and a.max_prompt_length > 0, "--response-length and --max-prompt-length must "
-             "be positive"),
-            (a.max_turns > 0 and a.max_episode_tokens > 0, "--max-turns and --max-episode-tokens must be positive"),
-            (0 <= a.kl_coef < math.inf, "--kl-coef must be >= 0 and finite: a negative coefficient rewards leaving "
-             "the reference"),
-            (a.total_episodes > 0 and a.batch_size > 0, "--total-episodes and --batch-size must be positive"),
-            (a.num_minibatches > 0 and a.num_ppo_epochs > 0 and a.group_size > 0 and
-             (a.micro_batch_size is None or a.micro_batch_size > 0) and (a.micro_batch_tokens is None or
-                                                                   a.micro_batch_tokens > 0),
-             "--num-minibatches, --num-ppo-epochs, --micro-batch-size(-tokens) and --group-size must be positive"),
-            (a.micro_batch_size is None or a.micro_batch_tokens is None, "--micro-batch-size and "
-             "--micro-batch-tokens are two ways to split a minibatch: pass one"),
-            (0 < a.learning_rate <= 1 and 0 < a.critic_learning_rate <= 1, "--learning-rate and "
-             "--critic-learning-rate must be in (0, 1]"),
-            (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
-            (0 <= a.eval_fraction < 1 and a.eval_size > 0 and a.eval_samples > 0, "--eval-fraction must be in "
-             "[0, 1), --eval-size and --eval-samples positive"),
-            (a.eval_samples == 1 or not a.eval_greedy, "--eval-greedy with --eval-samples > 1: greedy responses are "
-             "all the same, pass@k would be pass@1; sample at --temperature, or pass --eval-samples 1"),
-            (math.isfinite(a.pass_threshold), "--pass-threshold must be finite"),
-            (unit(a.gamma) and unit(a.lam) and unit(a.critic_lam), "--gamma, --lam and --critic-lam must be in "
-             "[0, 1]"),
-            ((a.clip_eps is None or 0 < a.clip_eps < 1) and (a.clip_eps_high is None or a.clip_eps_high > 0),
-             "--clip-eps must be in (0, 1) and --clip-eps-high > 0"),
-            (a.dynamic_sampling_rounds >= 0, "--dynamic-sampling-rounds must be >= 0"),
-            (a.cispo_cap >= 1, "--cispo-cap must be >= 1: a lower cap would shrink the weight of on-policy tokens"),
-            (a.dual_clip is None or a.dual_clip > 1, "--dual-clip must be > 1 (Ye et al. 2020 use 3)"),
-            (a.value_clip_eps is None or a.value_clip_eps > 0, "--value-clip-eps must be > 0 (None: no clip)"),
-            (a.lam_alpha is None or a.lam_alpha > 0, "--lam-alpha must be > 0"),
-            (a.lora_rank >= 0 and a.lora_alpha > 0, "--lora-rank must be >= 0 (0: off) and --lora-alpha > 0"),
-            (a.kl_target is None or 0 < a.kl_target < math.inf, "--kl-target must be > 0"),
-            (a.kl_horizon > 0 and (a.target_kl is None or a.target_kl > 0), "--kl-horizon and --target-kl must be "
-             "positive"),
-            (min(a.vf_coef, a.ent_coef, a.ptx_coef, a.max_grad_norm) >= 0, "--vf-coef, --ent-coef, --ptx-coef and "
-             "--max-grad-norm must be >= 0"),
-            (0 < a.top_p <= 1 and a.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
-            (a.ratio_check_tol > 0 and a.max_nonfinite_steps > 0, "--ratio-check-tol and --max-nonfinite-steps "
-             "must be positive"),
-            (a.critic_warmup_updates >= 0 and a.sample_every >= 0 and a.eval_every >= 0 and a.save_every >= 0,
-             "--critic-warmup-updates, --sample-every, --eval-every and --save-every must be >= 0"),
-            (a.keep_checkpoints > 0, "--keep-checkpoints must be >= 1"),
-            (0 < a.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
-            (a.rollout_is_cap is None or a.rollout_is_cap >= 1, "--rollout-is-cap must be >= 1"),
-            (a.overlong_buffer is None or 0 < a.overlong_buffer <= a.max_episode_tokens, "--overlong-buffer must "
-             "be in [1, --response-length] (with --env: [1, --max-episode-tokens])"),
-            (all(x is None or math.isfinite(x) for x in (a.missing_eos_penalty, a.reward_model_weight,
-                                                        a.reward_fn_weight)),
-             "--missing-eos-penalty, --reward-model-weight and --reward-fn-weight must be finite"),
-            (not (a.keep_best or "").startswith("eval/") or a.eval_every > 0, "--keep-best eval/... needs "
-             "--eval-every N: nothing is evaluated without it"),
-    ):
-        if not ok:
-            fail(what)
+    for what, ok, names in (  # every flag with a range, None passing where a flag may be None (NaN fails each test)
+            ("positive", lambda x: x > 0, "temperature response_length max_prompt_length max_turns max_episode_tokens "
+             "total_episodes batch_size num_minibatches num_ppo_epochs group_size micro_batch_size micro_batch_tokens "
+             "eval_size eval_samples kl_horizon target_kl kl_target lam_alpha value_clip_eps clip_eps_high lora_alpha "
+             "keep_checkpoints max_nonfinite_steps ratio_check_tol"),
+            (">= 0", lambda x: x >= 0, "kl_coef vf_coef ent_coef ptx_coef max_grad_norm critic_warmup_updates top_k "
+             "sample_every eval_every save_every dynamic_sampling_rounds lora_rank"),
+            ("finite", math.isfinite, "temperature kl_coef kl_target pass_threshold missing_eos_penalty "
+             "reward_model_weight reward_fn_weight"),
+            ("in [0, 1]", lambda x: 0 <= x <= 1, "gamma lam critic_lam"),
+            ("in (0, 1]", lambda x: 0 < x <= 1, "learning_rate critic_learning_rate top_p vllm_gpu_memory_utilization"),
+            ("in (0, 1)", lambda x: 0 < x < 1, "clip_eps"),
+            ("in [0, 1)", lambda x: 0 <= x < 1, "eval_fraction"),
+            ("in [0, 2**32)", lambda x: 0 <= x < 2**32, "seed"),
+            (">= 1: a lower cap shrinks the weight of on-policy tokens", lambda x: x >= 1, "cispo_cap rollout_is_cap"),
+            ("> 1 (Ye et al. 2020 use 3)", lambda x: x > 1, "dual_clip")):
+        for name in names.split():
+            if getattr(args, name) is not None and not ok(getattr(args, name)):
+                fail(f"--{name.replace('_', '-')} must be {what} (it is {getattr(args, name)})")
+    if args.micro_batch_size is not None and args.micro_batch_tokens is not None:
+        fail("--micro-batch-size and --micro-batch-tokens are two ways to split a minibatch: pass one")
+    if args.eval_samples > 1 and args.eval_greedy:
+        fail("--eval-greedy with --eval-samples > 1: greedy responses are all the same, pass@k would be pass@1; sample "
+             "at --temperature, or pass --eval-samples 1")
+    if args.overlong_buffer is not None and not 0 < args.overlong_buffer <= args.max_episode_tokens:
+        fail("--overlong-buffer must be in [1, --response-length] (with --env: [1, --max-episode-tokens])")
+    if (args.keep_best or "").startswith("eval/") and not args.eval_every:
+        fail("--keep-best eval/... needs --eval-every N: nothing is evaluated without it")
     if args.run_name is not None and (not re.fullmatch(r"\w[\w.+-]*", args.run_name) or
                                       args.run_name in RESERVED_RUN_NAMES):
         fail(f"--run-name {args.run_name!r} must be a plain name (letters, digits, _ . + -), not a path, and not "
@@ -1510,6 +1386,15 @@ def init_distributed():
 
 def rank_and_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def global_max(x, device):
+    """The largest value of a float over all ranks (NCCL reduces GPU tensors only, hence the device)."""
+    if rank_and_world()[1] == 1:
+        return x
+    x = torch.tensor(x, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item()
 
 
 def shard(model, no_split, offload=False):
@@ -1726,10 +1611,8 @@ def load_models(args, resume_dir, device, log):
 
 
 def stop_token_ids(tokenizer, generation_config, stop_tokens=None):
-    """The ids that end a response, one set for generation, the mask, the score slot and the vLLM engine:
-    --stop-tokens, or all of the checkpoint's generation_config eos ids (several for chat models: Qwen2's
-    [<|im_end|>, <|endoftext|>]), the tokenizer's EOS, and the token that closes an assistant turn in its
-    chat template (<|im_end|> for a base model prompted with ChatML, whose EOS is <|endoftext|>)."""
+    """The ids that end a response, one set for generation, the mask, the score slot and the engine: --stop-tokens,
+    or generation_config's eos ids (Qwen2's [<|im_end|>, <|endoftext|>]), the EOS, the chat template's end of turn."""
     if stop_tokens:
         ids = [tokenizer.convert_tokens_to_ids(t) for t in stop_tokens]
         unk = tokenizer.unk_token_id
@@ -1815,10 +1698,8 @@ def lora_layers(model):
 
 
 def merged(named, layers):
-    """(name, tensor) pairs of an adapted model as a plain checkpoint's: each adapted weight W + scale * B A
-    under its plain name, in fp32, the adapters' own tensors left out; the rest as it is. A and B are taken from the
-    pairs themselves, not from the layers (under FSDP2 those hold shards); a layer's W, A and B come one
-    after another, so no more than one layer's wait to be merged at a time."""
+    """(name, tensor) pairs of an adapted model as a plain checkpoint's: W + scale * B A in fp32 under W's name, the
+    adapters' tensors left out. A and B come from the pairs (FSDP2's layers hold shards), one layer at a time."""
     waiting = {}  # adapted layer -> the parts of W + scale * B A seen so far
     for name, value in named:
         owner, base, leaf = name.partition(".base_layer.")
@@ -1844,9 +1725,8 @@ def merged(named, layers):
 
 
 class AdaptersOff(nn.Module):
-    """The reference under LoRA: the policy with its adapters switched off (TRL and veRL do the same), so no
-    copy of the base is loaded. The policy is held outside the module tree: moving, freezing or offloading
-    the reference leaves the policy alone."""
+    """The reference under LoRA: the policy with its adapters off (as TRL and veRL), held outside the module tree,
+    so moving or offloading the reference leaves the policy alone."""
 
     def __init__(self, policy):
         super().__init__()
@@ -2211,11 +2091,8 @@ def load_env(spec):
 
 
 def textarena_game(game):
-    """A single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class, its task drawn
-    from the episode's seed. TextArena's default wrapper sends the whole history as each observation, which
-    is not append-only: the env passes on the game's messages since the agent's last move, rendered as
-    TextArena renders them, and leaves out the echo of the move itself. The reward comes from close() at
-    the end of the game (in GuessTheNumber: 1 for a win, else how close the last guess came)."""
+    """A single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class: its observations
+    are the game's messages since the agent's last move (docs/agents.md); the reward comes from close()."""
     try:
         import textarena as ta
     except ImportError:
@@ -2325,11 +2202,9 @@ MARK = "\ue000"  # a private-use character: where an assistant turn's content si
 
 
 def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, turn):
-    """The ids appended after an agent turn for its observation: raw text, tokenized alone; for a chat
-    model, what the chat template adds after the assistant's content for the new message: its end of
-    turn (but the sampled stop token, when the turn ended on it: those ids are the agent's) and the
-    message with the next generation prompt. Refuses a template that does not only append. `chat`
-    grows by the turn and the observation; `stop_id` is the turn's last id if it is a stop id, else None."""
+    """The ids appended after an agent turn for its observation: raw text tokenized alone; for a chat model, what
+    the template adds after the assistant's content (its end of turn, unless the agent sampled it, and the new
+    message with the next generation prompt). Refuses a template that does not only append. `chat` grows."""
     if chat is None:
         if not isinstance(observation, str):
             fail(f"--env {args.env}: step() on turn {turn} returned chat messages, but the tokenizer has no chat "
@@ -2383,9 +2258,67 @@ def join(parts, pad_id):
                    {k: cat([b.score_parts[k] for b in parts]) for k in parts[0].score_parts})
 
 
-# --- memory: the policy head in chunks -------------------------------------------------------
+# --- memory: micro-batches, the policy head in chunks ----------------------------------------
 # At a real vocabulary the (b, T, V) logits and their fp32 copies are most of a log-prob pass's memory
 # (8 x 1,024 tokens x 151,936 x 4 bytes = 5 GB each); these functions never hold more than one chunk's.
+
+def micro_batches(lengths, P, rows, budget=None):
+    """The row indices of each micro-batch: `rows` at a time; or, with a token `budget`, rows sorted by length and
+    packed to at most `budget` padded tokens (veRL's dynamic batch size). Every rank gets as many (sharded forwards)."""
+    order = torch.arange(len(lengths), device=lengths.device)  # (B,)
+    if budget is None:
+        batches = list(order.split(rows))
+    else:
+        order, batches = lengths.argsort(descending=True, stable=True), []  # (B,): longest first
+        while len(order):
+            n = max(1, budget // (P + int(lengths[order[0]])))  # the first row is the longest of its batch
+            batches, order = batches + [order[:n]], order[n:]
+    most = global_max(float(len(batches)), lengths.device)  # one all-reduce on every rank
+    while len(batches) < most:
+        i = max(range(len(batches)), key=lambda j: len(batches[j]))
+        batches[i: i + 1] = list(batches[i].chunk(2))
+    return batches
+
+
+def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
+                     sampler_filter=None):
+    """`policy_logprobs` without the (b, T, V) logits: the model runs up to its head, applied to `chunk` positions at
+    a time; with a gradient the chunk's logits are rebuilt in the backward (`HeadLogprobs`, as veRL's fused head)."""
+    T = query_responses.shape[1] - P
+    head, captured = model.get_output_embeddings(), []
+
+    def take_hidden(module, inputs):  # the head's input, (b, T+1, H); the head itself then runs on nothing
+        captured.append(inputs[0])
+        return (inputs[0][:, :0],)
+    hook = head.register_forward_pre_hook(take_hidden)
+    try:  # the model's own forward (under FSDP2 too), which leaves the root's head weight gathered
+        forward(model, query_responses, attention_mask, logits_to_keep=T + 1)
+    finally:
+        hook.remove()
+    hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
+    tokens = query_responses[:, P:].flatten()  # (b*T,)
+    valid = attention_mask[:, P:].flatten().bool()  # (b*T,): padding was not sampled
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    parts = []
+    for i in range(0, len(tokens), chunk):
+        j = min(i + chunk, len(tokens))
+        chunk_keep = None
+        if keep is not None:  # the pairs of positions i..j-1 (sorted by position), renumbered from 0
+            lo, hi = torch.searchsorted(keep[0], torch.tensor([i, j], device=tokens.device)).tolist()
+            chunk_keep = (keep[0][lo:hi] - i, keep[1][lo:hi])
+        if torch.is_grad_enabled():  # (the sampler's support is only found in the no-grad rollout pass)
+            parts.append(HeadLogprobs.apply(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature,
+                                            with_entropy, softcap, *(chunk_keep or (None, None))) + (None,))
+        else:
+            sampler = sampler_filter and (*sampler_filter, valid[i:j])
+            parts.append(head_chunk(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature, with_entropy,
+                                    softcap, chunk_keep, sampler))
+    logprobs = torch.cat([p[0] for p in parts]).view(-1, T)  # (b, T)
+    entropy = torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None  # (b, T)
+    if sampler_filter is not None:  # the pairs found, numbered over all b*T positions again
+        keep = (torch.cat([p[2][0] + i * chunk for i, p in enumerate(parts)]), torch.cat([p[2][1] for p in parts]))
+    return logprobs, entropy, keep
+
 
 def head_chunk(hidden, weight, bias, tokens, temperature, with_entropy, softcap=None, keep=None, sampler=None):
     """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / tau),
@@ -2407,10 +2340,8 @@ def head_logits(hidden, weight, bias, temperature, softcap=None):
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """`head_chunk` with its backward written out. The forward keeps the chunk's states, not its (n, V)
-    logits; the backward rebuilds them once and forms their gradient in place, from d logp / ds =
-    onehot - p and dH / ds = -p (s - E[s]) for s = logits / tau: autograd through a checkpointed chunk
-    replays every op and keeps each one's (n, V) result (25-40% slower on the 152K head here)."""
+    """`head_chunk` with its backward written out: the states are kept, not the (n, V) logits, which the backward
+    rebuilds once, from d logp / ds = onehot - p and dH / ds = -p (s - E[s]) (docs/memory.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature, with_entropy, softcap, keep_pos, keep_tok):
@@ -2450,11 +2381,8 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def sampling_support(scaled_logits, top_k, top_p, tokens=None):
-    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool. With `tokens`
-    (b, T), the drawn token is added at each position: the sampler drew it, so it was in the sampler's
-    support, but these logits are not the sampler's (another batch shape; bf16 rounds them apart), and a
-    token at the boundary can fall just outside the support recomputed from them (log-prob -inf, NaN
-    advantages: 5 of 3,055 tokens at top-k 50 in bf16)."""
+    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool; with `tokens` (b, T),
+    the drawn token added at each position (bf16 recomputed logits can put it just outside: docs/ablations.md)."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
     flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
     if top_k > 0:
@@ -2576,10 +2504,8 @@ def vllm_generate(llm, config, prompt_ids, greedy, pad_token_id, device):
 
 
 def push_weights(llm, model, wake=False):
-    """Phase 9: the model's weights into the engine, tensor by tensor. Under FSDP each tensor is
-    gathered from the shards as the engine reads it (all ranks read the same names in the same
-    order), so no rank ever holds a second whole copy of the policy. wake: the engine slept through
-    phase 7 (level 2): its weights' memory comes back before the push, the KV cache after it."""
+    """Phase 9: the model's weights into the engine, tensor by tensor (FSDP: each gathered as the engine reads it,
+    so no rank holds a second whole copy). wake: the engine slept through phase 7; its weights come back first."""
     from torch.distributed.tensor import DTensor
     if wake:
         torch.cuda.empty_cache()  # the engine allocates outside torch's cache
@@ -2599,12 +2525,9 @@ def push_weights(llm, model, wake=False):
 
 
 def repack_cpu_kernels(model):
-    """vLLM's CPU build computes a linear layer from a copy of its weight packed for its kernels (`cpu_linear`), made
-    when the weight is processed after loading. A reload re-makes it for each layer it loads, but a head tied to the
-    embedding (SmolLM2, Gemma, small Qwen2) loads nothing of its own, and kept the copy made at start: the engine's
-    logits came from the first head (0.009 mean |log-prob gap| after a 5% move here, 4e-7 untied). Packed anew from
-    the weights the push wrote, for each layer that keeps them (embeddings, heads; the others keep only the copy).
-    GPU builds compute from the weight itself, which the push wrote: they need nothing of this."""
+    """vLLM's CPU build computes a linear layer from a packed copy of its weight; a head tied to the embedding
+    loads nothing of its own on a reload and kept its first copy (docs/vllm.md). Packed anew here; GPU builds need
+    nothing of this."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     for m in model.modules():
         if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.numel() > 0:
@@ -2675,9 +2598,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
 
 
 def peak_rss_mb():
-    """This process's peak resident memory. Linux's VmHWM, not ru_maxrss: a child keeps its parent's
-    ru_maxrss across exec, so a run launched from a large process (a sweep driver, a notebook) would
-    report the parent's peak."""
+    """This process's peak resident memory: Linux's VmHWM (a child keeps its parent's ru_maxrss across exec)."""
     if os.path.exists("/proc/self/status"):
         for line in open("/proc/self/status"):
             if line.startswith("VmHWM:"):
@@ -2847,11 +2768,9 @@ def close_run(args, metrics_file, run_dir):
 # stream, and nothing here draws from numpy's global generator: resume is exact.
 
 def save_models(path, models, as_stored=False, adapters_only=False):
-    """Policy (with its tokenizer) and critic in save_pretrained format, gathered from the shards by every
-    rank and written by rank 0: in fp32, as they train (checkpoints: an exact resume), or `as_stored`, in
-    the dtype each checkpoint came in (the final and best models: a bf16 hub model stays bf16). LoRA: the
-    adapters too, and with `adapters_only` (checkpoints: resume reads the base from --model) only them; the
-    merged model in fp32, whatever its base came in."""
+    """Policy (with its tokenizer) and critic, gathered by every rank and written by rank 0: in fp32 (checkpoints),
+    or `as_stored` (final and best: the dtype each came in). LoRA: the adapters too (only them with `adapters_only`),
+    and the merged model in fp32 whatever its base came in."""
     policy, critic = models.policy, models.critic
     policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
     if rank_and_world()[0] == 0:
@@ -2928,9 +2847,8 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_co
 
 
 def find_run(args, rank, world, log):
-    """The run's name (rank 0's clock names it), its folder, and the checkpoint to resume from (None:
-    a fresh run, refused where a run already lives). Rank 0 decides, holding the run's lock, and tells
-    the others; a damaged newest checkpoint gives way to the one before it."""
+    """The run's name, its folder and the checkpoint to resume from (None: a fresh run, refused where a run lives),
+    as rank 0 decides under the run's lock; a damaged newest checkpoint gives way to the one before it."""
     found = dict(name=args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}", resume=args.resume,
                  error=None)
     if rank == 0:
@@ -3060,12 +2978,10 @@ def checkpoint_damage(path):
 # flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes,
 # to extend a run; the learning-rate decay then follows the new length)
 RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
-                     "logprob_chunk", "micro_batch_tokens",
-                     "sample_every", "eval_every", "eval_greedy", "eval_samples", "pass_threshold",
-                     "keep_best", "save_every",
-                     "keep_checkpoints", "max_nonfinite_steps", "micro_batch_size", "gradient_checkpointing",
-                     "shard_frozen", "offload_frozen", "precision", "vllm", "vllm_gpu_memory_utilization",
-                     "vllm_sleep", "trust_remote_code"}
+                     "logprob_chunk", "micro_batch_tokens", "sample_every", "eval_every", "eval_greedy", "eval_samples",
+                     "pass_threshold", "keep_best", "save_every", "keep_checkpoints", "max_nonfinite_steps",
+                     "micro_batch_size", "gradient_checkpointing", "shard_frozen", "offload_frozen", "precision",
+                     "vllm", "vllm_gpu_memory_utilization", "vllm_sleep", "trust_remote_code"}
 
 
 def check_same_flags(args, ckpt):

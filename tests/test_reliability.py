@@ -296,3 +296,12 @@ def test_non_utf8_and_csv_datasets(world, tmp_path):
 def test_non_finite_metrics_are_written_as_null():
     assert json.loads(ppo.json_line({"a": float("nan"), "b": float("inf"), "c": 1.5})) == {"a": None, "b": None,
                                                                                           "c": 1.5}
+
+
+def test_an_unknown_estimator_fails_loudly():
+    """`ppo.Args(...)` takes any string where tyro refuses it: check_args names the estimators, and the group
+    baseline refuses a name it has no formula for instead of running another estimator's."""
+    with pytest.raises(ppo.UsageError, match="--adv-estimator 'reinforce' is not one of gae, grpo, rloo"):
+        ppo.check_args(ppo.Args(adv_estimator="reinforce", group_size=4), 1)
+    with pytest.raises(ValueError, match="no group advantage is defined for --adv-estimator 'gae'"):
+        ppo.group_advantages(torch.zeros(8), 4, "gae")
