@@ -1308,14 +1308,19 @@ def check_args(args, world):
              "(unbounded ratios): add --keep-sampling-mask, or use temperature only")
     if sampler_filter and args.vllm:
         fail("--top-p/--top-k with --vllm are not supported yet: the sampling mask is taken from HF's own filters")
+    if not (args.response_length > 0 and args.max_prompt_length > 0):
+        fail("--response-length and --max-prompt-length must be positive")
+    if not (args.lora_rank >= 0 and args.lora_alpha > 0):
+        fail("--lora-rank must be >= 0 (0: off) and --lora-alpha > 0")
     for what, ok, names in (  # every flag with a range, None passing where a flag may be None (NaN fails each test)
-            ("positive", lambda x: x > 0, "temperature response_length max_prompt_length max_turns max_episode_tokens "
+            ("> 0: log-probs are taken from logits / tau", lambda x: 0 < x < math.inf, "temperature"),
+            ("positive", lambda x: x > 0, "max_turns max_episode_tokens "
              "total_episodes batch_size num_minibatches num_ppo_epochs group_size micro_batch_size micro_batch_tokens "
-             "eval_size eval_samples kl_horizon target_kl kl_target lam_alpha value_clip_eps clip_eps_high lora_alpha "
+             "eval_size eval_samples kl_horizon target_kl kl_target lam_alpha value_clip_eps clip_eps_high "
              "keep_checkpoints max_nonfinite_steps ratio_check_tol"),
             (">= 0", lambda x: x >= 0, "kl_coef vf_coef ent_coef ptx_coef max_grad_norm critic_warmup_updates top_k "
-             "sample_every eval_every save_every dynamic_sampling_rounds lora_rank"),
-            ("finite", math.isfinite, "temperature kl_coef kl_target pass_threshold missing_eos_penalty "
+             "sample_every eval_every save_every dynamic_sampling_rounds"),
+            ("finite", math.isfinite, "kl_coef kl_target pass_threshold missing_eos_penalty "
              "reward_model_weight reward_fn_weight"),
             ("in [0, 1]", lambda x: 0 <= x <= 1, "gamma lam critic_lam"),
             ("in (0, 1]", lambda x: 0 < x <= 1, "learning_rate critic_learning_rate top_p vllm_gpu_memory_utilization"),
@@ -2988,7 +2993,7 @@ def check_same_flags(args, ckpt):
     """Refuse to resume with flags that change what the run computes: list each difference."""
     saved = json.load(open(os.path.join(ckpt, "flags.json")))
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as they were saved
-    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in now
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in sorted(now)
              if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
     if diffs:
         fail(f"{ckpt} was written with other flags ({'; '.join(diffs)}): resume with the run's own flags "
