@@ -345,9 +345,8 @@ class Args:
 # --- across ranks (torchrun): sums, themselves on one process ---------------------------------
 
 def global_sum(x):
-    """Sum of a tensor over all ranks (itself with one process). Under torchrun every statistic that
-    defines the update is global (whitening, the loss divisor, the adaptive-KL input, the metrics),
-    so N ranks run the same algorithm as one process."""
+    """Sum of a tensor over all ranks (itself on one process): every statistic that defines the update is global
+    (whitening, the loss divisor, the adaptive-KL input, the metrics), so N ranks run the algorithm of one."""
     if dist.is_initialized():
         x = x.clone()
         dist.all_reduce(x)
@@ -357,9 +356,8 @@ def global_sum(x):
 # --- phases 1-2: generate, cut after the first EOS; then agents' episodes, dynamic sampling ---
 
 def prompt_order(update, n_rows, args, rank, local_batch):
-    """This rank's prompt rows of an update: each pass over the prompt set in a fresh order drawn from a
-    numpy generator seeded by (seed, pass), so the update counter alone places a resumed run in the
-    prompt stream. Each prompt's group_size samples sit side by side, whole groups on each rank."""
+    """This rank's prompt rows of an update: each pass over the prompts in a fresh order seeded by (seed, pass), so the
+    update counter alone places a resumed run in the stream; a prompt's group_size samples side by side."""
     n_prompts = args.batch_size // args.group_size
     start = (update - 1) * n_prompts
     order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
@@ -370,10 +368,9 @@ def prompt_order(update, n_rows, args, rank, local_batch):
 
 
 def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
-    """Left-pad the prompts, sample one response each (HF `generate`; with `llm`, the vLLM engine) as the
-    policy's generation config says, cut each after its first stop token (its eos_token_id: the run's one
-    set of stop ids). Returns query_responses, attention_mask (B, P+T), lengths, has_eos (B,), mask (B, T),
-    P, and the engine's log-probs of the sampled tokens (B, T), None with HF."""
+    """Left-pad the prompts, sample one response each (HF `generate`, or the vLLM engine `llm`) as the policy's
+    generation config says, and cut each after its first stop token. Returns query_responses, attention_mask (B, P+T),
+    lengths, has_eos (B,), mask (B, T), P, and the engine's log-probs of the sampled tokens (B, T), None with HF."""
     sampling = policy.generation_config
     enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
     queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
@@ -447,22 +444,19 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
 
 
 def env_seeds(args, update, rank, n, refill=0):
-    """This rank's episode seeds of an update, from (seed, update, rank) alone, so a resumed run replays the
-    same episodes; a group's G episodes share theirs (the same task, G tries). A refill round of
-    --dynamic-sampling adds its number to the key. (Evaluation's: `evaluation_seeds`.)"""
+    """This rank's episode seeds of an update, from (seed, update, rank) alone (a resumed run replays them; a refill
+    round of --dynamic-sampling adds its number); a group's G episodes share theirs (one task, G tries)."""
     key = [args.seed, update, rank, 0] + ([refill] if refill else [])
     seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
     return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
 
 
 def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, synced=False, llm=None):
-    """Phases 1-2 for multi-turn episodes (--env), one `env_class` instance each, the turns in lockstep: each
-    unfinished episode samples a turn (`generate`), its env steps on the decoded text, and the observation's tokens
-    are appended. The agent's tokens stay the sampled ids (decoding and re-tokenizing can change them: TRL #5224,
-    veRL #6719). An episode ends when its env says done (has_eos), or is cut: at --max-turns, --max-episode-tokens,
-    or where the next observation and a turn would not fit the context. Returns `generate`'s tuple after the first
-    observation, the action mask as `mask` (1 on sampled tokens, 0 on observations and padding), the step rewards
-    (B, T) on each turn's last agent token, and the turns' ends (B, T), 1 there (an observation may be no tokens)."""
+    """Phases 1-2 for multi-turn episodes (--env), one `env_class` instance each, turns in lockstep: each unfinished
+    episode samples a turn, its env steps on the decoded text, and the observation's tokens are appended. The agent's
+    tokens stay the sampled ids (re-tokenizing can change them: TRL #5224, veRL #6719). An episode ends when its env
+    says done (has_eos), or is cut at --max-turns, --max-episode-tokens or the context. Returns `generate`'s tuple,
+    the action mask as `mask`, then the step rewards on each turn's last agent token and the turns' ends (B, T)."""
     stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
     context = min(getattr(policy.config, "max_position_embeddings", None) or math.inf,
                   args.max_prompt_length + args.max_episode_tokens if llm is not None else math.inf)  # positions
@@ -518,9 +512,8 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
 
 
 def refill_order(update, refill, questions, args, rank, world):
-    """--dynamic-sampling's prompt rows for refill round `refill`, laid out as `prompt_order`'s: up to a batch of
-    questions the update has not drawn on any rank (`questions` (n_rows,) numbers each row's question), in an order
-    seeded by (seed, update, round), so the main stream stays as is. As many on each rank; None if none is left."""
+    """--dynamic-sampling's rows for refill round `refill`, laid out as `prompt_order`'s: up to a batch of questions
+    no rank drew this update (`questions` numbers each row's), in an order seeded by (seed, update, round), or None."""
     n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
     drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
     for r in range(1, refill + 1):
@@ -537,11 +530,10 @@ def refill_order(update, refill, questions, args, rank, world):
 
 
 def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
-    """DAPO's dynamic sampling (Yu et al. 2025): a group whose G samples all got the same score (the task's,
-    before phase 4's length shaping: all right or all wrong) has a zero advantage; it is dropped, and new questions
-    are sampled (`refill_order`), for at most --dynamic-sampling-rounds rounds or until every rank holds its batch.
-    Every rank keeps as many groups as the rank holding the fewest (a sharded forward needs every rank); with none
-    anywhere, the batch trains as it came. Returns the batch and its metrics."""
+    """DAPO's dynamic sampling (Yu et al. 2025): a group whose G samples all got the same score (the task's, before
+    phase 4's length shaping: all right or all wrong) has a zero advantage; it is dropped, and new questions sampled
+    (`refill_order`), for at most --dynamic-sampling-rounds rounds or until every rank holds its batch. Each rank keeps
+    as many groups as the fewest held; with none anywhere, the batch trains as it came. Returns it and its metrics."""
     rank, world = rank_and_world()
     G, B = args.group_size, len(batch.lengths)
     # the question of each row, by text (gcd's 2,048 rows hold 364); with --env an episode is its row and its seed
@@ -609,11 +601,9 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, suppor
 
 def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None,
                     sampler_filter=None, chunk=0):
-    """Log-probs and entropies (b, T) of the response tokens, positions P..P+T-1, and the support they
-    are taken on, as (position, token) pairs over the b*T positions: `keep`, kept from the rollout; or
-    derived from these logits with `sampler_filter` = (top_k, top_p), as the sampler did, plus the drawn
-    token (DeepSeek-V3.2's keep-sampling-mask); or None, the full softmax. The head runs on `chunk` tokens
-    at a time if > 0."""
+    """Log-probs and entropies (b, T) of the response tokens (positions P..P+T-1), and the support they are taken on
+    as (position, token) pairs over the b*T positions: `keep` from the rollout, or found here with `sampler_filter` =
+    (top_k, top_p) as the sampler did, plus the drawn token (DeepSeek-V3.2), or None (the full softmax)."""
     if chunk > 0:  # the default (--logprob-chunk 256): these numbers from the hidden states, the head on `chunk`
         # tokens at a time, no (b, T, V) logits kept (`chunked_logprobs`, in the plumbing; equal to this path with
         # gradients: tests/test_oracles.py::test_chunked_head_equals_the_plain_path_with_gradients)
@@ -652,10 +642,9 @@ class ValueModel(nn.Module):
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
                    sampler_filter=None, chunk=0, budget=None):
-    """Phase 3 but the score, in micro-batches each trimmed to its longest response. Returns the old and
-    the reference log-probs and the entropies (B, T); the values before each response token (B, T), 0 on
-    padding, and after its last token (B,); with `sampler_filter`, the sampler's support as the kept token
-    ids of each of the B*T positions (`pack_support`), else None."""
+    """Phase 3 but the score, in micro-batches each trimmed to its longest response: the old and the reference
+    log-probs and the entropies (B, T), the values before each response token (B, T; 0 on padding) and after the last
+    (B,), and with `sampler_filter` the sampler's support, packed (`pack_support`), else None."""
     B, T = mask.shape
     lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
@@ -682,9 +671,8 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
 
 
 def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro, turn_rewards=None):
-    """The total score per response (B,) and each weighted component's, under no_grad: the reward
-    model's and --reward-fn's, which also receives the prompt set's other columns of these rows; with
-    --env, the episode's return, the sum of its step rewards `turn_rewards` (B, T)."""
+    """The total score (B,) and each weighted component's: the reward model's, --reward-fn's (given the rows' other
+    columns too) and, with --env, the episode's return, the sum of its step rewards `turn_rewards` (B, T)."""
     parts = {} if turn_rewards is None else {"env": turn_rewards.sum(1)}
     if models.reward_model is not None:
         rm_texts = None
@@ -715,10 +703,9 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
-    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token:
-    the EOS, or the last token of a response cut by the length limit. Never on padding. With --env, each
-    step's reward `turn_rewards` (B, T) stays on its turn's last agent token, and the last one takes what
-    makes the sum the score (the return, unless phase 4 replaced it: a cut episode's penalty)."""
+    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token (the EOS, or the last
+    of a response cut by the length limit), never on padding. --env: each step's reward `turn_rewards` (B, T) stays on
+    its turn's last agent token, and the last takes what makes the sum the score (unless phase 4 replaced it)."""
     non_score_reward = -kl_coef * kl  # (B, T)
     rewards = non_score_reward.clone()  # (B, T)
     last = (torch.arange(len(rewards)), lengths - 1)  # the episode ends on an agent token
@@ -731,12 +718,10 @@ def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
 
 
 def long_responses(scores, has_eos, lengths, next_values, args):
-    """The scores of responses the length limit cut (no EOS: unfinished; with --env, episodes cut at
-    --max-turns or --max-episode-tokens) and of those near it. Cut: --missing-eos-penalty replaces the score
-    (N+); or --bootstrap-truncated drops a response's score (an env's rewards were earned: they stay) and
-    the critic's value after the cut stands in for the future (returned, else None); --overlong-filter (in
-    the loss) drops them. DAPO's soft penalty (--overlong-buffer): 0 up to limit - buffer tokens, then down
-    linearly to -1 at the limit (--max-episode-tokens, which is --response-length for one turn)."""
+    """The scores of responses cut by the length limit (no EOS; --env: episodes cut at --max-turns or the token cap)
+    and near it. Cut: --missing-eos-penalty replaces the score (N+); --bootstrap-truncated drops it (an env's rewards
+    stay) and returns the critic's value after the cut as the future (else None); --overlong-filter acts in the loss.
+    --overlong-buffer (DAPO): 0 up to limit - buffer tokens, then down linearly to -1 at the limit."""
     bootstrap_value = None
     if args.missing_eos_penalty is not None:
         scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,)
@@ -914,9 +899,8 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
             new_logprobs, old_logprobs, rollout.advantages[idx, :t], mc_mask, args)  # (b, t) each
         agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mb_tokens, mb_seqs, args.loss_agg,
                            args.max_episode_tokens)  # (b, t)
-        pg_weights = agg  # (b, t)
-        if args.rollout_is_cap is not None:  # truncated importance sampling against the rollout engine
-            pg_weights = agg * rollout.is_weights[idx, :t]  # (b, t)
+        # --rollout-is-cap: truncated importance sampling against the rollout engine
+        pg_weights = agg if args.rollout_is_cap is None else agg * rollout.is_weights[idx, :t]  # (b, t)
         loss = (pg_losses * pg_weights).sum()
         if args.ent_coef > 0:
             loss = loss - args.ent_coef * (new_entropy * agg).sum()
@@ -942,9 +926,8 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
 
 
 def ratio_health(update, mb_stats, ratio_dev_max, tol, device):
-    """Phase 8, on the first minibatch of the update, before its optimizer step: the policy has not moved
-    yet, so every ratio is 1 up to rounding, and the mean |ratio - 1| over the minibatch (all ranks) must
-    be within `tol`; otherwise the run stops before a broken update is applied. Returns the two metrics."""
+    """Phase 8, on the first minibatch before its step: the policy has not moved, so every ratio is 1 up to rounding;
+    a mean |ratio - 1| (all ranks) above `tol` stops the run before a broken update is applied. Returns its metrics."""
     dev_sum, dev_tokens = global_sum(torch.tensor([mb_stats["ratio_dev"], mb_stats["tokens"]], device=device)).tolist()
     health = {"ppo/policy/ratio_at_start": dev_sum / max(dev_tokens, 1),
               "ppo/policy/ratio_max_at_start": global_max(ratio_dev_max, device)}  # the largest token's too
@@ -1226,8 +1209,7 @@ PREVIOUS_HANDLERS = {}
 
 
 def catch_stop_signals(run_name):
-    """SIGTERM (how schedulers preempt) and Ctrl-C end the loop after the update in flight, which is then
-    checkpointed; a second Ctrl-C stops at once (the newest checkpoint holds the run)."""
+    """SIGTERM (preemption) and Ctrl-C end the loop after the update in flight, checkpointed; a 2nd Ctrl-C at once."""
     STOP_SIGNALS.clear()
 
     def handler(signum, frame):
@@ -1266,8 +1248,7 @@ def open_or_empty(path):
 
 
 def check_args(args, world):
-    """Every check that reads only the flags and the world size, after `Args.fill_defaults`. Returns the
-    rollouts each rank generates, scores and trains on per update, and the number of updates."""
+    """Every check that reads only the flags and the world size; returns a rank's rollouts per update, the updates."""
     env = args.env or args.model == "guess"  # (the guess world brings its env)
     if args.max_turns is not None and args.max_turns > 1 and not env:
         fail(f"--max-turns {args.max_turns} needs --env: without an environment nothing answers between turns")
@@ -1403,8 +1384,7 @@ def global_max(x, device):
 
 
 def shard(model, no_split, offload=False):
-    """FSDP2: each decoder layer, then the root (whose forward must be the one called). offload: the
-    shards live on the CPU and each layer is gathered onto the device for its forward."""
+    """FSDP2 on each decoder layer, then the root (whose forward is the one called); offload: the shards on the CPU."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for m in model.modules():
@@ -1422,8 +1402,7 @@ def full_state_dict(model):
 
 
 def reduce_row(row, device):
-    """One value for all ranks: the mean over their equal slices, or for a maximum the largest rank's (a mean over
-    unequal counts, env/turns_when_ended's, is summed over the ranks before: the same value on each)."""
+    """One value for all ranks: the mean over their equal slices, or for a maximum the largest rank's."""
     if rank_and_world()[1] == 1:
         return row
     keys = [k for k in row if k not in ("step", "episode")]
@@ -1436,9 +1415,8 @@ def reduce_row(row, device):
 
 
 def teardown(llm, world):
-    if world > 1:  # no rank leaves while another still works: FSDP2's DTensor caches keep the gloo group's worker
-        # threads alive into interpreter exit, where one still letting go of a gathered tensor needs the GIL and
-        # aborts the process (CI saw it on rank 1, which drops its gathers); a barrier gives them time to finish
+    if world > 1:  # no rank leaves while another works: FSDP2's DTensor caches keep gloo's worker threads alive into
+        # interpreter exit, where one letting go of a gathered tensor aborts the process (CI saw it on rank 1)
         dist.barrier()
     if llm is not None:  # the engine's teardown also destroys torch.distributed's default group
         llm.llm_engine.engine_core.shutdown()
@@ -1486,8 +1464,7 @@ def disable_dropout(model):
 
 
 def load_model(cls, path, flag, args, **kw):
-    """An HF checkpoint as `cls` (safetensors only, no remote code unless asked), dropout off;
-    or a one-line error saying why it cannot be."""
+    """An HF checkpoint as `cls` in fp32 (safetensors, no remote code unless asked), dropout off; or a clear error."""
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -1507,8 +1484,7 @@ def load_model(cls, path, flag, args, **kw):
 
 
 def stored_dtype(path, args):
-    """The dtype a checkpoint's weights are stored in, as its config says (fp32 when it says nothing, or when
-    the checkpoint is gone: a resumed run whose --critic-model was moved)."""
+    """The dtype a checkpoint's config says its weights are stored in (fp32 if none, or if the checkpoint is gone)."""
     try:
         dtype = getattr(AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code), "dtype", None)
     except (OSError, ValueError):
@@ -1525,8 +1501,7 @@ def load_tokenizer(path, flag, args, **kw):
 
 
 def load_models(args, resume_dir, device, log):
-    """Tokenizers and the four models, dropout off, on the device (frozen ones on the CPU with
-    --offload-frozen); the policy and critic from the checkpoint when resuming."""
+    """Tokenizers and the four models, dropout off, on the device; policy and critic from the checkpoint on resume."""
     gold, policy_path, reward_path = None, args.model, args.reward_model
     if args.model in WORLDS:  # built on first use under runs/<name>/
         world = importlib.import_module(args.model)
@@ -1564,9 +1539,8 @@ def load_models(args, resume_dir, device, log):
     else:
         policy = load_model(AutoModelForCausalLM, start, "--model", args)
         ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
-    reward_model = None
-    if reward_path is not None:
-        reward_model = ValueModel(load_model(AutoModelForSequenceClassification, reward_path, "--reward-model", args))
+    reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path,
+                                                         "--reward-model", args))
     critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
     if not ESTIMATORS[args.adv_estimator]["critic"]:
         critic = None  # critic-free: the group of samples is the baseline
@@ -1608,8 +1582,7 @@ def load_models(args, resume_dir, device, log):
         for model in [m for m in (policy, critic and critic.seq_cls) if m is not None]:
             bf16_bases(model)
     frozen_device = torch.device("cpu") if args.offload_frozen else device
-    reward_model = reward_model and reward_model.to(frozen_device)
-    ref_policy = ref_policy.to(frozen_device)
+    reward_model, ref_policy = (m and m.to(frozen_device) for m in (reward_model, ref_policy))
     stored = (stored_dtype(policy_path, args), critic and stored_dtype(critic_path, args))  # the final models' dtypes
     return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
                   reward_model, rm_tokenizer, reward_fn, env, gold, policy_path, critic_path, stored, swapped=[])
@@ -1651,14 +1624,12 @@ def end_of_turn(tokenizer):
 
 
 # --- LoRA (peft) ------------------------------------------------------------------------------
-# Adapters are injected into the HF models in place, so every forward, the chunked head and generate run
-# as without them. The base is never changed: the reference is the policy with its adapters off, and the
-# weights the engine and the saved policy get are W + scale * B A, computed per tensor as they are read
-# (merging into W and unmerging later is not exact in fp32: the base would drift).
+# Adapters go into the HF models in place, so every forward, the chunked head and generate run as without them. The
+# base never changes: the reference is the policy with its adapters off, and the engine and the saved policy get
+# W + scale * B A, per tensor as they are read (merging into W and unmerging later would drift the base in fp32).
 
 def add_lora(model, args, flag, head=None):
-    """Adapters (fp32, dropout 0) on --lora-targets of `model`, in place; its base frozen, `head` (the
-    critic's value head) trained whole. A one-line error when the targets cannot be adapted."""
+    """Adapters (fp32, dropout 0) on --lora-targets of `model`, in place; its base frozen, `head` trained whole."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import BaseTunerLayer
     targets = args.lora_targets
@@ -1687,8 +1658,7 @@ def add_lora(model, args, flag, head=None):
 
 
 def bf16_bases(model):
-    """--lora-base-dtype bf16: the adapted layers' frozen weights and biases in bf16, in place. Under bf16
-    autocast a linear layer casts them to bf16 before its matmul anyway: the same numbers in half the memory."""
+    """--lora-base-dtype bf16: the adapted layers' frozen bases in bf16, in place (bf16 autocast rounds them anyway)."""
     for layer in lora_layers(model).values():
         layer.get_base_layer().to(torch.bfloat16)
 
@@ -1752,8 +1722,7 @@ class AdaptersOff(nn.Module):
 
 
 def save_adapter(model, path, base_path, head=None, state=None):
-    """The adapters (and a trained head) of `state` (default: the model's own) in peft's format:
-    PeftModel.from_pretrained(base, path) loads them."""
+    """The adapters (and a trained head) of `state` (default: the model's) in peft's format, as PeftModel loads them."""
     from safetensors.torch import save_file
     state = {"base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous()
              for k, v in (state or model.state_dict()).items() if ".lora_" in k or (head and k.startswith(head + "."))}
@@ -1779,8 +1748,7 @@ def load_adapter(model, path):
 
 
 def shard_models(models, args, device, world):
-    """Under torchrun, FSDP2 per decoder layer (optimizers are built on the shards); the frozen models
-    frozen; activation recomputation when asked."""
+    """Under torchrun, FSDP2 per decoder layer; the frozen models frozen; activation recomputation when asked."""
     m = models
     if world > 1:
         m.policy = shard(m.policy, m.policy._no_split_modules or [])
@@ -1803,16 +1771,14 @@ def shard_models(models, args, device, world):
 
 
 def own_rng(device):
-    """The global generators restored on exit: the CPU's and this rank's GPU (fork_rng's default would
-    touch every visible GPU from every rank)."""
+    """The global generators restored on exit: the CPU's and this rank's GPU (not fork_rng's default, every GPU)."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 # --- prompts and rewards ----------------------------------------------------------------------
 
 def load_prompts(args, tokenizer, log, env=None):
-    """Training and evaluation rows (dicts: the prompt and any other columns) and their token ids,
-    and the PPO-ptx texts' ids (empty without --ptx-coef)."""
+    """Training and evaluation rows and their token ids, and the PPO-ptx texts' ids (empty without --ptx-coef)."""
     prompt_rows, eval_rows = load_prompt_rows(args, env, log)
     if not prompt_rows:
         fail("the prompt set is empty: check --dataset and --train-split")
@@ -1836,8 +1802,7 @@ def load_prompts(args, tokenizer, log, env=None):
     if too_long:
         log(f"truncated {too_long} of {len(prompt_ids + eval_ids)} prompts to their last {args.max_prompt_length} "
             "tokens")
-        prompt_ids = [p[-args.max_prompt_length:] for p in prompt_ids]
-        eval_ids = [p[-args.max_prompt_length:] for p in eval_ids]
+        prompt_ids, eval_ids = ([p[-args.max_prompt_length:] for p in ids] for ids in (prompt_ids, eval_ids))
     ptx_ids = []
     if args.ptx_coef > 0:  # texts for the PPO-ptx loss
         world = importlib.import_module(args.model if args.model in WORLDS else "toy")
@@ -1849,9 +1814,8 @@ def load_prompts(args, tokenizer, log, env=None):
 
 
 def load_prompt_rows(args, env=None, log=print):
-    """Training and evaluation rows (dicts: the prompt column and any others, e.g. a reference answer). Where both
-    come from one source, no evaluation question is a training question (`hold_out`), but in the closed worlds: the
-    toy's 32 prompts and an env's rows, whose episodes its seeds draw."""
+    """Training and evaluation rows (dicts: the prompt and any other columns). Where both come from one source, no
+    evaluation question is a training one (`hold_out`), but in closed worlds: the toy's 32 prompts, an env's rows."""
     if args.dataset is None and env is not None:  # the env's own rows
         if not callable(getattr(env, "rows", None)):
             fail(f"--env {args.env} has no rows: pass --dataset, or give the class a static rows(n, seed)")
@@ -1876,10 +1840,7 @@ def load_prompt_rows(args, env=None, log=print):
     if os.path.isfile(args.dataset) and os.path.getsize(args.dataset) == 0:
         fail(f"the prompt set is empty: {args.dataset} has no rows")
     try:
-        if local:
-            ds = datasets.load_dataset(local, data_files=args.dataset)
-        else:
-            ds = datasets.load_dataset(args.dataset)
+        ds = datasets.load_dataset(local, data_files=args.dataset) if local else datasets.load_dataset(args.dataset)
         train = ds[args.train_split]
     except Exception as e:  # a missing file, no network, an unknown split: all one line for the user
         fail(f"--dataset {args.dataset!r} (split {args.train_split!r}) cannot be loaded: {reason(e)}")
@@ -1904,15 +1865,13 @@ def load_prompt_rows(args, env=None, log=print):
 
 
 def question(row):
-    """What makes two prompt rows one question: reasoning-gym's question text, else the prompt (a string, or
-    chat messages as JSON), else the whole row (an env's task)."""
+    """What makes two rows one question: reasoning-gym's question text, else the prompt (chat as JSON), else the row."""
     q = row["entry"]["question"] if "entry" in row else row.get("prompt")
     return q if isinstance(q, str) else json.dumps(row if q is None else q, sort_keys=True, default=str)
 
 
 def hold_out(train, candidates, limit):
-    """Evaluation rows that share no question with training: the first `limit` distinct questions of `candidates`,
-    one row each; every training row of those questions is dropped."""
+    """The first `limit` distinct questions of `candidates`, one row each, and the training rows of other questions."""
     held, taken = [], set()
     for r in candidates:
         if len(held) < limit and question(r) not in taken:
@@ -1922,9 +1881,8 @@ def hold_out(train, candidates, limit):
 
 
 def generated_split(train, candidates, args, log):
-    """A generator's evaluation rows (the chain world, reasoning-gym): the first --eval-size distinct questions it
-    draws for evaluation, taken out of training, but at most half of all the questions seen, so that a small space
-    (gcd up to 20 has 400, and 2,048 training rows cover 364) keeps a fixed share for each."""
+    """A generator's evaluation rows: its first --eval-size distinct questions, out of training, but at most half of
+    all seen, so a small space (gcd up to 20 has 400; 2,048 training rows cover 364) keeps a share for each."""
     space = len({question(r) for r in train + candidates})
     train, held = hold_out(train, candidates, min(args.eval_size, space // 2))
     if len(held) < args.eval_size and args.eval_every:
@@ -1934,9 +1892,8 @@ def generated_split(train, candidates, args, log):
 
 
 def reasoning_gym_rows(args, spec):
-    """--dataset reasoning-gym:NAME: training rows and evaluation candidates of a procedural task, generated here (no
-    file, no network). Each prompt is one user message, the task's question and the instruction --answer-format asks
-    for; the row keeps the task's entry, which `reasoning_gym_reward` scores with the task's own score_answer."""
+    """--dataset reasoning-gym:NAME: training rows and evaluation candidates, generated here: the task's question and
+    --answer-format's instruction as one user message, and the entry `reasoning_gym_reward` scores."""
     try:
         import reasoning_gym
     except ImportError:
@@ -1968,9 +1925,8 @@ ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>."
 
 
 def reasoning_gym_reward(prompts, responses, task, entry, answer_format, **columns):
-    """--dataset reasoning-gym:NAME's reward (`--reward-fn ppo:reasoning_gym_reward`, its default): the task's own
-    score_answer on the answer read from each response: inside its last <answer> tag ("tag"), the whole response
-    stripped ("raw"), or its last number ("number"); none there: 0."""
+    """reasoning-gym:NAME's default reward: the task's own score_answer on the answer in each response's last <answer>
+    tag ("tag"), the whole response stripped ("raw"), or its last number ("number"); none there: 0."""
     import reasoning_gym
     from reasoning_gym.utils import extract_answer
     score_answer = reasoning_gym.get_score_answer_fn(task[0])
@@ -1997,8 +1953,7 @@ def check_prompt(prompt, tokenizer, where):
 
 
 def render_prompt(tokenizer, prompt):
-    """Prompt ids: chat messages through the tokenizer's chat template with the generation prompt,
-    a string as it is (with the tokenizer's own special tokens, e.g. BOS)."""
+    """Prompt ids: chat messages through the chat template with the generation prompt; a string as it is (and BOS)."""
     if isinstance(prompt, list):
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False).input_ids
@@ -2006,8 +1961,7 @@ def render_prompt(tokenizer, prompt):
 
 
 def render_for_rm(rm_tokenizer, prompt, response):
-    """Prompt + decoded response as the reward model was trained to read them: through its own chat
-    template if it has one, else as plain text."""
+    """Prompt + decoded response as the reward model reads them: through its own chat template, else as plain text."""
     if rm_tokenizer.chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}],
@@ -2020,7 +1974,6 @@ def render_for_rm(rm_tokenizer, prompt, response):
 
 def load_python(spec, flag):
     """`FILE.py:NAME` or `module:NAME` -> the object (--reward-fn's function, --env's class)."""
-    import importlib
     import importlib.util
     path, _, name = spec.rpartition(":")
     try:
@@ -2030,11 +1983,10 @@ def load_python(spec, flag):
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(path)
-        fn = getattr(module, name)
+        return getattr(module, name)
     except Exception as e:  # a missing file or name, an import or syntax error in it: one line
         fail(f"{flag} {spec!r} cannot be loaded ({type(e).__name__}: {reason(e)}): give FILE.py:NAME or "
              "module:NAME")
-    return fn
 
 
 def reward_fn_scores(fn, args, prompts, texts, columns, device):
@@ -2062,9 +2014,8 @@ def reward_fn_scores(fn, args, prompts, texts, columns, device):
 
 def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
                         budget=None):
-    """The RM's score per response: read at the last real token when it shares the policy's tokenizer;
-    else on prompt + response re-tokenized with its own tokenizer, as it was trained. In micro-batches of
-    `micro` rows, or packed by the token `budget` like the rollout passes."""
+    """The RM's score per response: at the last real token when it shares the policy's tokenizer, else on the texts
+    re-tokenized with its own. In micro-batches of `micro` rows, or packed by the token `budget`."""
     scores = torch.zeros(len(lengths), device=lengths.device)  # (B,)
     if rm_tokenizer is not None:  # right-padded, so each micro-batch is trimmed to its longest row
         enc = rm_tokenizer(rm_texts, padding=True, padding_side="right", return_tensors="pt",
@@ -2096,8 +2047,7 @@ def load_env(spec):
 
 
 def textarena_game(game):
-    """A single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class: its observations
-    are the game's messages since the agent's last move (docs/agents.md); the reward comes from close()."""
+    """A single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class (docs/agents.md)."""
     try:
         import textarena as ta
     except ImportError:
@@ -2184,8 +2134,7 @@ def env_step(args, env, action_text, turn):
 
 
 def first_observation(tokenizer, observation, args):
-    """reset()'s observation as the episode's prompt ids, and the conversation so far for a chat model
-    (None for raw text): a string is a user message for a chat model, raw text otherwise."""
+    """reset()'s observation as prompt ids, and the chat so far (None for raw text; a string is a user message)."""
     check_observation(observation, args, "reset() returned")
     if not tokenizer.chat_template and not isinstance(observation, str):
         fail(f"--env {args.env}: reset() returned chat messages, but the tokenizer has no chat template: return "
@@ -2207,9 +2156,8 @@ MARK = "\ue000"  # a private-use character: where an assistant turn's content si
 
 
 def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, turn):
-    """The ids appended after an agent turn for its observation: raw text tokenized alone; for a chat model, what
-    the template adds after the assistant's content (its end of turn, unless the agent sampled it, and the new
-    message with the next generation prompt). Refuses a template that does not only append. `chat` grows."""
+    """The ids appended after an agent turn: raw text tokenized alone; for a chat model, what the template adds after
+    the turn (its end of turn unless sampled, the message, the generation prompt), if it only appends. `chat` grows."""
     if chat is None:
         if not isinstance(observation, str):
             fail(f"--env {args.env}: step() on turn {turn} returned chat messages, but the tokenizer has no chat "
@@ -2428,8 +2376,7 @@ def kept_pairs(packed, rows, t, T):
 
 
 def chunked_head_works(model, device):
-    """The chunked path takes logits = head(last hidden state) (soft-capped for Gemma 2); a model that
-    transforms them otherwise (a logit scale...) would get other log-probs: compare both paths on a few tokens."""
+    """Whether the chunked head's logits = head(last hidden state) (Gemma 2: capped) are the model's: 8 tokens."""
     ids = torch.arange(2, 10, device=device)[None] % model.config.vocab_size  # (1, 8)
     with torch.no_grad():
         plain = policy_logprobs(model, ids, torch.ones_like(ids), 4, 1.0)[0]  # (1, 4)
@@ -2443,8 +2390,7 @@ def chunked_head_works(model, device):
 # tensor-parallel engines (each rank's engine holds the whole policy).
 
 def start_vllm(args, models, device):
-    """The engine, built from the initial checkpoint and then fed the current weights (they differ
-    after --resume); None without --vllm."""
+    """The engine, built from the initial checkpoint, fed the current weights (--resume); None without --vllm."""
     if not args.vllm:
         return None
     llm = vllm_engine(models.policy_path, models.policy.config, args, device)
@@ -2530,9 +2476,8 @@ def push_weights(llm, model, wake=False):
 
 
 def repack_cpu_kernels(model):
-    """vLLM's CPU build computes a linear layer from a packed copy of its weight; a head tied to the embedding
-    loads nothing of its own on a reload and kept its first copy (docs/vllm.md). Packed anew here; GPU builds need
-    nothing of this."""
+    """vLLM's CPU build computes a linear layer from a packed copy of its weight, which a head tied to the embedding
+    kept from the first load (docs/vllm.md): packed anew. GPU builds need nothing of this."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     for m in model.modules():
         if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.numel() > 0:
@@ -2556,25 +2501,18 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
         # the KL to the reference as k1 estimates it, whatever --kl-estimator is: comparable across estimators
         "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item(),
-        "objective/kl_coef": kl_coef,
-        "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+        "objective/kl_coef": kl_coef, "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
         "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
         "objective/entropy": masked_mean(rollout.entropy, mask).item(),
-        "ppo/policy/approxkl_avg": stats["approxkl"] / n,
-        "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
+        "ppo/policy/approxkl_avg": stats["approxkl"] / n, "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
         **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
-        "ppo/epochs": len(epoch_clipfrac),
-        **health,
-        "ppo/loss/policy_avg": stats["pg_loss"] / n,
-        "ppo/loss/value_avg": stats["vf_loss"] / n,
-        "ppo/val/clipfrac_avg": stats["vf_clip"] / n,
-        "ppo/val/ratio": stats["ratio"] / n,
+        "ppo/epochs": len(epoch_clipfrac), **health,
+        "ppo/loss/policy_avg": stats["pg_loss"] / n, "ppo/loss/value_avg": stats["vf_loss"] / n,
+        "ppo/val/clipfrac_avg": stats["vf_clip"] / n, "ppo/val/ratio": stats["ratio"] / n,
         "ppo/val/explained_variance": explained_variance.item(),
         "ppo/val/eos_rate": rollout.has_eos.float().mean().item(),
         "ppo/val/response_length": mask.sum(1).mean().item(),  # the agent's tokens
-        "lr/actor": lr,
-        "ppo/skipped_steps": skipped_steps,
-        **times,
+        "lr/actor": lr, "ppo/skipped_steps": skipped_steps, **times,
         "time/generated_tokens": global_sum(mask.sum().long()).item(), "time/trained_tokens": stats["tokens"],
         "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
                         else peak_rss_mb()),
@@ -2604,17 +2542,15 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
 
 def peak_rss_mb():
     """This process's peak resident memory: Linux's VmHWM (a child keeps its parent's ru_maxrss across exec)."""
-    if os.path.exists("/proc/self/status"):
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
+    for line in open_or_empty("/proc/self/status").splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / (1024 if sys.platform == "darwin" else 1)
 
 
 def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp, device, llm):
-    """Responses to the held-out prompts (greedy or at tau; --eval-samples k of each), scored like the rollouts
-    (forwards under `amp`): eval/ metrics (means over the responses; pass@1 .. pass@k over the prompts) and a few
-    sample rows."""
+    """Responses to the evaluation prompts (greedy or at tau; --eval-samples k each), scored like the rollouts: eval/
+    metrics (means over the responses; pass@1 .. pass@k over the prompts) and a few sample rows."""
     rank, world = rank_and_world()
     mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
     k = args.eval_samples
@@ -2657,19 +2593,17 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
 
 
 def evaluation_seeds(args, n):
-    """The episode seed of each of the n evaluation prompts, the same at every update and on any number of ranks
-    (a key of its own length: no training key), so that evaluations at two updates play the same games."""
+    """Each evaluation prompt's episode seed, the same at every update, on any ranks (a key no training key equals)."""
     return [int(s) for s in np.random.SeedSequence([args.seed, 2**32 - 1]).generate_state(n)]
 
+
 def pass_at_k(n, c, k):
-    """The chance that at least one of k samples drawn without replacement from n, of which c passed, passes:
-    1 - C(n-c, k) / C(n, k), the unbiased estimator of pass@k (Chen et al. 2021), exact in integers."""
+    """1 - C(n-c, k) / C(n, k): unbiased pass@k from n samples of which c passed (Chen et al. 2021), exact."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def open_run(args, run_name, run_dir, first_update):
-    """Rank 0 drops the rows written after the checkpoint it resumes from, writes config.json and opens
-    metrics.jsonl (and wandb with --track); other ranks get None."""
+    """Rank 0: the rows after the resumed checkpoint dropped, config.json written, metrics.jsonl (and wandb) opened."""
     rank, world = rank_and_world()
     if rank == 0:
         lock_run(run_dir)  # a fresh run's folder is made (and locked) only now, when everything has loaded
@@ -2735,9 +2669,8 @@ def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
 
 
 def run_summary(args, run_dir, seconds):
-    """What a finished run prints last: its headline figure at the first update and over the last 10 (gold on the
-    toy world, the share of right answers on the chain world, of won games on the guess world, else the score),
-    and the files to look at, those the run wrote."""
+    """What a finished run prints last: its headline figure at the first update and over the last 10 (the toy's gold,
+    chain's right answers, guess's won games, else the score), and the files the run wrote."""
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     key, name = (("objective/gold", "gold") if "objective/gold" in rows[0] else
                  ("objective/reward_fn", "accuracy") if args.model == "chain" else
@@ -2767,15 +2700,13 @@ def close_run(args, metrics_file, run_dir):
 
 
 # --- checkpoints and resume -------------------------------------------------------------------
-# A checkpoint holds the policy and critic weights, both optimizers and schedulers, the KL coefficient,
-# the best eval metric, every rank's Python and torch RNG states and the update counter. The prompt
-# order is a function of (seed, update), so the counter alone places a resumed run in the prompt
-# stream, and nothing here draws from numpy's global generator: resume is exact.
+# A checkpoint holds the policy and critic, both optimizers and schedulers, the KL coefficient, the best eval metric,
+# every rank's Python and torch RNG states and the update counter. The prompt order is a function of (seed, update),
+# and nothing draws from numpy's global generator: resume is exact.
 
 def save_models(path, models, as_stored=False, adapters_only=False):
-    """Policy (with its tokenizer) and critic, gathered by every rank and written by rank 0: in fp32 (checkpoints),
-    or `as_stored` (final and best: the dtype each came in). LoRA: the adapters too (only them with `adapters_only`),
-    and the merged model in fp32 whatever its base came in."""
+    """Policy (with its tokenizer) and critic, gathered by every rank, written by rank 0: in fp32 (checkpoints), or
+    `as_stored` (final, best: the dtype each came in). LoRA: the adapters too (alone: adapters_only), merged in fp32."""
     policy, critic = models.policy, models.critic
     policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
     if rank_and_world()[0] == 0:
@@ -2800,8 +2731,7 @@ def save_models(path, models, as_stored=False, adapters_only=False):
 
 
 def save_in_dtype(model, path, state, dtype):
-    """save_pretrained with the floating-point weights cast to `dtype` (a copy: the fp32 weights train on),
-    refused if any is not finite (after the cast: fp16 overflows)."""
+    """save_pretrained of the weights cast to `dtype` (a copy), refused if any is not finite after the cast."""
     state, cast = state or model.state_dict(), {}  # one copy per tensor, so a tied head stays the embedding's alias
     state = {k: cast.setdefault((v.data_ptr(), v.shape, v.stride()), v.to(dtype)) if v.is_floating_point() else v
              for k, v in state.items()}  # (--lora-base-dtype bf16 bases among fp32 weights: all of them `dtype`)
@@ -2814,18 +2744,15 @@ def save_in_dtype(model, path, state, dtype):
 
 
 def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_coef, best, device):
-    """Write step_<update>/ under a temporary name and rename it into place, so a kill at any
-    moment leaves every earlier checkpoint whole; keep the newest --keep-checkpoints."""
+    """Write step_<update>/ aside, then rename it into place (a kill leaves every other whole); keep the newest few."""
     rank, world = rank_and_world()
     ckpt_root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(ckpt_root, f"step_{update}")
-    rngs = [None] * world  # each rank's sampler state
     rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
                cuda=torch.cuda.get_rng_state(device) if torch.cuda.is_available() else None)
+    rngs = [rng] * world  # each rank's sampler state
     if world > 1:
         dist.all_gather_object(rngs, rng)
-    else:
-        rngs = [rng]
     trained = [m for m in (models.policy, models.critic) if m is not None]
     optimizer_states = [optimizer_state(m, opt) for m, opt in zip(trained, optimizers)]  # gathered: all ranks
     tmp = final + ".tmp"
@@ -2904,8 +2831,7 @@ RUN_LOCKS = {}  # run folder -> its open lock file, held until the process ends
 
 
 def lock_run(run_dir):
-    """One process per run folder: an exclusive lock on runs/<run>/.lock, which the OS drops when the
-    process ends, however it ends. Another process is refused, and told who holds it."""
+    """One process per run folder: a lock on runs/<run>/.lock, which the OS drops however the process ends."""
     os.makedirs(run_dir, exist_ok=True)
     if run_dir in RUN_LOCKS and os.path.exists(RUN_LOCKS[run_dir].name):
         return  # this process holds it already
@@ -2938,8 +2864,7 @@ def clear_leftovers(ckpt_root):
 
 
 def discard(path):
-    """Delete a checkpoint folder by first renaming it out of the step_<k> pattern, so that a kill in
-    the middle of the deletion never leaves a half-deleted folder under a checkpoint's name."""
+    """Delete a folder renamed out of the step_<k> pattern first: a kill never leaves half a checkpoint by its name."""
     trash = os.path.join(os.path.dirname(path), f".discard_{os.path.basename(path)}")
     shutil.rmtree(trash, ignore_errors=True)
     os.rename(path, trash)
@@ -2963,8 +2888,7 @@ def file_digests(folder):
 
 
 def checkpoint_damage(path):
-    """None for a whole checkpoint, else what is wrong: every file of its manifest present, of its size
-    and checksum (bit rot, a cut copy, a half-deleted folder), and nothing of it missing."""
+    """None for a whole checkpoint (every file of its manifest there, of its size and checksum), else what is wrong."""
     if not os.path.isdir(path):
         return "no such folder"
     try:
@@ -3001,8 +2925,7 @@ def check_same_flags(args, ckpt):
 
 
 def restore(resume_dir, trained, optimizers, schedulers, keep_best, device):
-    """Optimizers, schedulers and this rank's random state from state.pt; returns the KL coefficient,
-    the first update to run and the best eval metric so far."""
+    """Optimizers, schedulers and this rank's random state; returns the KL coefficient, the next update, the best."""
     rank, world = rank_and_world()
     state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)  # every rank reads it
     if len(state["rngs"]) != world:
@@ -3042,23 +2965,22 @@ def list_checkpoints(ckpt_root):
 
 
 def truncate_jsonl(path, last_step):
-    """Drop rows written after the checkpoint we resume from, so no row is lost or doubled. The kept rows
-    go to a file aside, which then replaces the old one: a kill at any moment leaves one or the other."""
+    """Drop the rows after the resumed checkpoint (none lost or doubled); written aside, then replacing the old file."""
     if os.path.exists(path):
         lines = open(path).read().splitlines(keepends=True)
         if lines and not lines[-1].endswith("\n"):
             lines.pop()  # a row cut short by the kill
-        with open(path + ".tmp", "w") as f:
-            f.writelines(line for line in lines if json.loads(line)["step"] <= last_step)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        replace_file(path, "".join(line for line in lines if json.loads(line)["step"] <= last_step))
 
 
 def write_json(path, obj):
+    replace_file(path, json.dumps(obj, indent=2))
+
+
+def replace_file(path, text):
     """Write aside, then replace: a reader sees the old file or the new one, never half of one."""
     with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)

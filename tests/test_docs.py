@@ -121,6 +121,7 @@ def test_the_training_loop_comes_first_and_main_stays_short():
     assert len(body) <= 220 and loop_end - loop <= 150, (len(body), loop_end - loop)
     assert not any(re.match(r"\s+def ", x) for x in body), "no function defined inside main"
     assert max(map(len, lines)) <= 120
+    assert len(lines) <= 3000, f"ppo.py is {len(lines)} lines: it stays within 3,000 (every feature pays for its lines)"
 
 
 # what the algorithm's functions may still call below `main`: the engine, the reward sources, the env's checked
