@@ -250,3 +250,37 @@ def test_help_fits_200_lines_and_shows_a_newcomers_flags_first():
         assert described <= 3, entry
     fields = [n for n in top_level()["Args"].body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)]
     assert len(fields) == len(entries) - 1 and all("\n" not in f.value.value for f in fields)
+
+
+@pytest.mark.fast
+def test_the_trl_baseline_passes_the_settings_its_table_states():
+    """experiments/trl_grpo.py runs TRL's GRPOTrainer in an environment of its own, so TRL is not installed here: what
+    it would pass to GRPOConfig is checked against docs/trl.md's table, and the ppo.py flags it gives for the same
+    settings against what ppo.Args makes of them."""
+    import importlib.util
+    import tyro
+    import ppo
+    spec = importlib.util.spec_from_file_location("trl_grpo", "experiments/trl_grpo.py")
+    trl_grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trl_grpo)
+    a = trl_grpo.parser().parse_args(["--model", "M", "--dataset", "reasoning-gym:gcd", "--out", "x"])
+    passed = trl_grpo.grpo_config_kwargs(a)
+    stated = {name.strip("`"): value.strip("`") for name, value, *_ in table("docs/trl.md", "## The flag mapping")}
+    assert stated == {name: repr(value) for name, value in passed.items()}
+    args = tyro.cli(ppo.Args, args=["--model", "M", *trl_grpo.ppo_flags(a)])
+    args.fill_defaults(1)
+    P = passed
+    assert (args.adv_estimator, args.group_size, args.group_std, args.loss_agg) == ("grpo", P["num_generations"], True,
+                                                                                     "token-mean")
+    assert P["loss_type"] == "bnpo" and P["scale_rewards"] == "group"
+    assert args.batch_size == P["per_device_train_batch_size"] * P["steps_per_generation"] * P[
+        "gradient_accumulation_steps"]
+    assert (args.num_minibatches, args.num_ppo_epochs) == (P["steps_per_generation"], P["num_iterations"])
+    assert args.total_episodes // args.batch_size * args.num_minibatches * args.num_ppo_epochs == P["max_steps"]
+    assert (args.response_length, args.temperature, args.top_p, args.top_k) == (
+        P["max_completion_length"], P["temperature"], P["top_p"], P["top_k"])
+    assert (args.learning_rate, args.max_grad_norm, args.anneal_lr) == (P["learning_rate"], P["max_grad_norm"], True)
+    assert args.clip_eps == P["epsilon"] == P["epsilon_high"] and args.clip_eps_high is None
+    assert (args.kl_in_loss, args.kl_estimator, args.kl_coef) == (True, "k3", P["beta"]) and P["beta"] > 0
+    assert (args.seed, args.precision, args.overlong_filter) == (P["seed"], "fp32", P["mask_truncated_completions"])
+    assert args.missing_eos_penalty == a.missing_eos_penalty
