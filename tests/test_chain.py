@@ -78,12 +78,17 @@ def test_overlong_filtering_is_training_on_the_finished_responses_alone(world, l
     assert (filtered - everything).abs().max() > 1e-4  # the cut responses did move the unfiltered gradient
 
 
+@pytest.fixture(scope="module")
+def small_chain(tmp_path_factory):
+    """A chain world of a few pre-training steps: right some of the time, so some groups of 4 tie and some don't."""
+    return chain.build_world(str(tmp_path_factory.mktemp("chain") / "chain"), steps=200, log=lambda *a: None)
+
+
 @pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
-def test_a_few_updates_of_the_chain_world(tmp_path, monkeypatch):
+def test_a_few_updates_of_the_chain_world(small_chain, monkeypatch):
     # a small world (a few pre-training steps) stands in for the cached one; the defaults of --model chain
     # (40-token responses, the chain:reward function, the critic on the policy) are what ppo.main runs
-    small = chain.build_world(str(tmp_path / "chain"), steps=200, log=lambda *a: None)
-    monkeypatch.setattr(chain, "build_world", lambda *a, **k: small)
+    monkeypatch.setattr(chain, "build_world", lambda *a, **k: small_chain)
     shutil.rmtree("runs/test_chain", ignore_errors=True)
     ppo.main(ppo.Args(model="chain", run_name="test_chain", total_episodes=64, batch_size=32, num_ppo_epochs=1,
                       sample_every=1, save_every=0))
@@ -94,12 +99,6 @@ def test_a_few_updates_of_the_chain_world(tmp_path, monkeypatch):
     samples = [json.loads(line) for line in open("runs/test_chain/samples.jsonl")]
     assert all(s["prompt"].endswith("?") and s["score"] == chain.reward([s["prompt"]], [s["response"]])[0]
                for s in samples if s["score"] >= 0)  # (a response cut by the limit gets the missing-EOS penalty)
-
-
-@pytest.fixture(scope="module")
-def small_chain(tmp_path_factory):
-    """A chain world of a few pre-training steps: right some of the time, so some groups of 4 tie and some don't."""
-    return chain.build_world(str(tmp_path_factory.mktemp("chain") / "chain"), steps=200, log=lambda *a: None)
 
 
 @pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
