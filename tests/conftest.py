@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(items):
                else len(LONGEST_FIRST))  # (stable: the others in their own order)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def world():
-    """The toy world's (policy, reward) checkpoint paths, built once and cached under runs/toy/."""
+    """The toy world's (policy, reward) checkpoint paths, built once and cached under runs/toy/: before any test,
+    so that no run a test starts in a process of its own finds it missing and builds it beside another."""
     return toy.build_world()
