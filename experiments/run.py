@@ -540,20 +540,57 @@ def rgym_quick():
 def rgym_again():
     """Issue 38: rgym's three runs, rgymarms and rgymquick again, on evaluation questions that no training row asks
     (before, reasoning-gym's evaluation rows were its training rows shifted by one); same seeds, flags and budgets,
-    the screen as it was. rgym's runs and the arms share one queue, two at a time; rgymquick is timed alone after.
-    A run that already finished (a queue cut short and started again) is kept, not run twice, and one cut short
-    resumes from its checkpoint (every 5 updates)."""
+    the screen as it was. Each arm's figures go to results.json's "rgym_heldout" as soon as its three seeds end,
+    and an arm already there is not run again (the machine may be taken back between sessions); the arms run
+    two at a time, each checkpointing every 5 updates, so one cut short resumes exactly. rgymquick is timed alone
+    after, and rgym_arms.png is drawn from the record."""
     flags, base = rgym_flags()
     arms = {"full_2e-5": flags, "lora16_2e-4": [*override(flags, learning_rate="2e-4"), "--lora-rank", "16"],
             "full_1e-5": override(flags, learning_rate="1e-5")}
-    jobs = [base] + [(RGYM_ARMS[arm].format(seed), [*arm_flags, "--seed", str(seed)], {})
-                     for arm, arm_flags in arms.items() for seed in (1, 2, 3)]
-    finished = {"exp_rgym_base": 1, **{RGYM_ARMS[arm].format(seed): 25 for arm in arms for seed in (1, 2, 3)}}
+    path = os.path.join(HERE, "results.json")
+    heldout = json.load(open(path))["rgym_heldout"]
+    todo = [arm for arm in arms if arm not in heldout]
+    jobs = [(RGYM_ARMS[arm].format(seed), [*arms[arm], "--seed", str(seed)], {}) for arm in todo for seed in (1, 2, 3)]
     parallel_runs([job for job in jobs if not os.path.exists(os.path.join(ROOT, "runs", job[0], "metrics.jsonl"))
-                   or len(rows_of(job[0])) < finished[job[0]]], save_every=5)
-    results = json.load(open(os.path.join(HERE, "results.json")))
-    return {"rgym": rgym_summary(results["rgym"]["screen"], results["rgym"]["picked"]),
-            "rgymarms": rgym_arms_summary(), "rgymquick": rgym_quick()}
+                   or len(rows_of(job[0])) < 25], save_every=5)
+    def record(key, value):  # into results.json at once: a session cut short keeps what it measured
+        heldout[key] = value
+        results = json.load(open(path))
+        results["rgym_heldout"] = heldout
+        json.dump(results, open(path, "w"), indent=1)
+    for arm in todo:
+        record(arm, heldout_arm([rows_of(RGYM_ARMS[arm].format(seed)) for seed in (1, 2, 3)], heldout["base"]))
+    if "rgymquick" not in heldout:
+        record("rgymquick", rgym_quick())
+    rgym_heldout_figure(heldout)
+    return heldout
+
+
+def heldout_arm(runs, base):
+    """One arm's three seeds as results.json's "rgym_heldout" records them."""
+    evals = [[r for r in rows if "eval/pass@1" in r] for rows in runs]
+    gain = [round(ev[-1]["eval/pass@1"] - base["pass@1"], 3) for ev in evals]
+    return {"seeds": [1, 2, 3], "pass@1": [[round(e["eval/pass@1"], 3) for e in ev] for ev in evals],
+            "pass@4": [[round(e["eval/pass@4"], 3) for e in ev] for ev in evals],
+            "score_at_end": [round(ev[-1]["eval/reward_fn"], 3) for ev in evals], "gain": gain,
+            "reward_first5_last5": [[round(float(np.mean([r["objective/reward_fn"] for r in rows[i]])), 2)
+                                     for i in (slice(0, 5), slice(-5, None))] for rows in runs],
+            "median_s": [round(float(np.median([r["time/rollout_s"] + r["time/update_s"] for r in rows])), 1)
+                         for rows in runs],
+            "peak_gb": [round(max(r["mem/peak_mb"] for r in rows) / 1000, 2) for rows in runs],
+            "gain_mean": round(float(np.mean(gain)), 3), "gain_sd": round(float(np.std(gain, ddof=1)), 3)}
+
+
+def rgym_heldout_figure(heldout):
+    """rgym_arms.png from the record: each arm's pass@1 and pass@4 on the held-out questions, seed bands."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for arm in RGYM_ARMS:
+        for ax, k in zip(axes, (1, 4)):
+            curves = np.array([[heldout["base"][f"pass@{k}"]] + p for p in heldout[arm][f"pass@{k}"]])
+            spread_plot(ax, [0, 5, 10, 15, 20, 25], curves, arm)
+    for ax, k in zip(axes, (1, 4)):
+        ax.set_title(f"pass@{k}, 32 held-out questions (0: untrained)", fontsize=9), ax.set_xlabel("update")
+    axes[0].legend(fontsize=7), fig.tight_layout(), fig.savefig(os.path.join(HERE, "rgym_arms.png"), dpi=80)
 
 
 def rgym_base():
@@ -931,8 +968,7 @@ if __name__ == "__main__":
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
             results[name] = result
-            if name == "rgymagain":  # its three results in their own places
-                results.pop(name)
-                results.update(result)
+            if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
+                results["rgym_heldout"] = results.pop(name)
             json.dump(results, open(path, "w"), indent=1)
             print(json.dumps({name: result}, indent=1))
