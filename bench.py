@@ -177,6 +177,7 @@ def measure_floor(pargs, updates):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     quiet = lambda *a, **k: None  # noqa: E731
+    ppo.check_args(pargs, 1)  # the defaults a run fills in from other flags (reasoning-gym:NAME's reward, ...)
     models = ppo.load_models(pargs, None, device, quiet)
     tokenizer, policy, critic = models.tokenizer, models.policy, models.critic
     models.ref_policy.to(device)  # the floor keeps every model on the device

@@ -7,6 +7,7 @@
     python experiments/run.py guessbudget guesscut guesssteps guessvalue arena   # issue 27's
     python experiments/run.py objectives dynamic klloss rgym rgymarms rgymquick   # issue 30's (chain; SmolLM2)
     python experiments/run.py rgymagain  # issue 38: the SmolLM2 runs again, on evaluation questions held out
+    python experiments/run.py trl trlspeed   # issue 42: beside TRL's GRPOTrainer (.venv-trl, docs/trl.md); trlquick
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -41,6 +42,10 @@
    fine-tuning at half the rate, 3 seeds each: the gain in pass@1 over the untrained model.
 21. rgymquick (after rgym): rgym's full fine-tuning for 10 updates, 3 seeds, timed as one command.
 22. rgymagain (issue 38): rgym's runs, rgymarms and rgymquick again on evaluation questions no training row asks.
+23-25. issue 42, SmolLM2 on gcd beside TRL 1.12's GRPOTrainer (experiments/trl_grpo.py in .venv-trl):
+   trl: ppo.py GRPO at TRL's settings, TRL GRPO, ppo.py PPO with the critic, 3 seeds, 25 updates; every saved
+     policy scored by one evaluator on 128 held-out questions; trlspeed: seconds and peak RSS, one process at a
+     time, alternating, with ppo.py --vllm and the floor; trlquick: both, cut to fit 20 minutes.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
@@ -927,6 +932,183 @@ def arena():
     return out
 
 
+TRL_PYTHON = os.path.join(ROOT, ".venv-trl", "bin", "python")  # TRL's own environment (experiments/trl_grpo.py)
+TRL_ARMS = ("ppo_grpo", "trl_grpo", "ppo_gae")
+
+
+def trl_task(updates, seed, eval_size=128):
+    """Issue 42's task and settings, as experiments/trl_grpo.py reads them: SmolLM2 on gcd up to 20 (400 questions;
+    --eval-size 128 of them never trained on), the answer as the last number, trl_grpo.py's defaults otherwise."""
+    sys.path.insert(0, HERE), sys.path.insert(0, ROOT)
+    import smollm2
+    import trl_grpo
+    model, _ = smollm2.build(os.path.join(ROOT, smollm2.ROOT))
+    return trl_grpo, trl_grpo.parser().parse_args([
+        "--model", model, "--dataset", "reasoning-gym:gcd", "--dataset-options", json.dumps({"max_value": 20}),
+        "--answer-format", "number", "--eval-size", str(eval_size), "--updates", str(updates), "--seed", str(seed),
+        "--out", ""])
+
+
+def trl_arm_command(arm, name, trl_grpo, a, extra=()):
+    """One arm's training command: ppo.py's GRPO at TRL's settings, TRL's GRPOTrainer, or ppo.py's PPO with the
+    critic (GAE) on the same rollouts per update (16 prompts sampled once each, so as many sampled tokens at most)."""
+    flags = trl_grpo.ppo_flags(a)
+    if arm == "trl_grpo":
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k != "out" and v is not None]
+        return [TRL_PYTHON, os.path.join(HERE, "trl_grpo.py"), *args, "--out", os.path.join(ROOT, "runs", name)]
+    if arm == "ppo_gae":
+        flags = override(flags, adv_estimator="gae", group_size="1")
+    return [sys.executable, "ppo.py", "--model", a.model, *flags, "--run-name", name, "--sample-every", "0",
+            "--save-every", "0", *extra]
+
+
+def trl_update_rows(arm, name):
+    """A run's rows in one shape: the batch's mean score (missing-EOS penalty included), wall and CPU seconds,
+    peak RSS, and the phases: generation (+ scoring passes) and training."""
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+    if arm == "trl_grpo":  # its update's first optimizer step generates and scores the batch, then trains
+        return [{"score": r["score"], "s": r["update_s"], "cpu_s": r["cpu_s"], "peak_mb": r["peak_rss_mb"],
+                 "rollout_s": r["step_s"][0] - r["step_s"][-1], "train_s": r["step_s"][-1] * len(r["step_s"])}
+                for r in rows]
+    return [{"score": r["objective/scores"], "s": r["time/rollout_s"] + r["time/update_s"] + r["time/push_s"]
+             + r["time/log_s"], "cpu_s": r["time/cpu_s"], "peak_mb": r["mem/peak_mb"], "rollout_s": r["time/rollout_s"],
+             "generate_s": r["time/generate_s"], "train_s": r["time/update_s"], "tokens": r["time/generated_tokens"]}
+            for r in rows]
+
+
+def trl_evaluate(policy, name, trl_grpo, a, env):
+    """The one evaluator: ppo.py on the policy at learning rate 1e-12 (no weight moves), its --eval-size held-out
+    questions x 4 samples after one update, seed 1 for every policy; pass@1, pass@4 and the mean score."""
+    flags = override(trl_grpo.ppo_flags(a), learning_rate="1e-12", total_episodes=str(a.batch_size), seed="1")
+    shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+    subprocess.run([sys.executable, "ppo.py", "--run-name", name, "--model", policy, *flags, "--eval-every", "1",
+                    "--eval-samples", "4", "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    row = rows_of(name)[-1]
+    shutil.rmtree(os.path.join(ROOT, "runs", name))  # (its policy is the one it was given)
+    return {k: round(row[f"eval/{k}"], 4) for k in ("pass@1", "pass@4", "reward_fn")}
+
+
+def trl_record(key, name, value):
+    """results.json[key][name] = value, at once: a machine taken back between sessions keeps what was measured."""
+    import fcntl
+    with open(os.path.join(ROOT, "runs", ".results.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = os.path.join(HERE, "results.json")
+        results = json.load(open(path))
+        results.setdefault(key, {})[name] = value
+        json.dump(results, open(path, "w"), indent=1)
+
+
+def trl_learning(key="trl_runs", updates=25, seeds=(1, 2, 3), eval_size=128, parallel=2):
+    """Issue 42, learning: the three arms x seeds, two runs at a time on one thread each; each run's saved policy
+    scored by the one evaluator as soon as it ends, and recorded in results.json[key] (a run recorded is not run
+    again). The untrained model is scored by the same evaluator. Returns the summary (trl_learning_summary)."""
+    from concurrent.futures import ThreadPoolExecutor
+    os.makedirs(os.path.join(ROOT, "runs"), exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    done = json.load(open(os.path.join(HERE, "results.json"))).get(key, {})
+
+    def job(arm, seed):
+        trl_grpo, a = trl_task(updates, seed, eval_size)
+        name = f"exp_{key}_{arm}_s{seed}"
+        if arm == "base":
+            return trl_record(key, "base", trl_evaluate(a.model, f"{name}_eval", trl_grpo, a, env))
+        shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+        t0 = time.perf_counter()
+        out = subprocess.run(trl_arm_command(arm, name, trl_grpo, a), cwd=ROOT, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"{name} failed: {out.stderr[-2000:]}")
+        rows, policy = trl_update_rows(arm, name), os.path.join(ROOT, "runs", name, "policy")
+        shutil.copy(os.path.join(a.model, "generation_config.json"), policy)  # every policy stops at the same ids
+        record = {"rows": rows, "wall_s": time.perf_counter() - t0,
+                  "eval": trl_evaluate(policy, f"{name}_eval", trl_grpo, a, env)}
+        print(name, record["eval"], f"{record['wall_s']:.0f} s", flush=True)
+        trl_record(key, name, record)
+
+    jobs = [(arm, seed) for seed in seeds for arm in TRL_ARMS if f"exp_{key}_{arm}_s{seed}" not in done]
+    jobs = ([("base", 1)] if "base" not in done else []) + jobs
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(lambda j: job(*j), jobs))
+    return trl_learning_summary(key, seeds)
+
+
+def trl_learning_summary(key, seeds):
+    """The arms' gains over the untrained model (held-out pass@1 and pass@4, mean ± sd over seeds) and the figure:
+    each arm's training score per update with its seed band, and held-out pass@1 before and after."""
+    record = json.load(open(os.path.join(HERE, "results.json")))[key]
+    base, out = record["base"], {"base": record["base"]}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for i, arm in enumerate(TRL_ARMS):
+        runs = [record[f"exp_{key}_{arm}_s{seed}"] for seed in seeds if f"exp_{key}_{arm}_s{seed}" in record]
+        if not runs:
+            continue
+        gains = {k: [r["eval"][k] - base[k] for r in runs] for k in ("pass@1", "pass@4")}
+        out[arm] = {"seeds": len(runs), **{f"{k}_after": [r["eval"][k] for r in runs] for k in ("pass@1", "pass@4")},
+                    **{f"gain_{k}": [round(g, 4) for g in v] for k, v in gains.items()},
+                    **{f"gain_{k}_mean": float(np.mean(v)) for k, v in gains.items()},
+                    **{f"gain_{k}_sd": float(np.std(v, ddof=1)) if len(v) > 1 else None for k, v in gains.items()},
+                    "median_s_per_update": [float(np.median([u["s"] for u in r["rows"][1:]])) for r in runs],
+                    "peak_mb": [max(u["peak_mb"] for u in r["rows"]) for r in runs]}
+        scores = np.array([[u["score"] for u in r["rows"]] for r in runs])
+        spread_plot(axes[0], np.arange(1, scores.shape[1] + 1), scores, arm)
+        after = out[arm]["pass@1_after"]
+        axes[1].errorbar([i], [np.mean(after)], yerr=[[np.mean(after) - min(after)], [max(after) - np.mean(after)]],
+                         fmt="o", capsize=4, label=arm)
+        print(arm, out[arm], flush=True)
+    axes[1].axhline(base["pass@1"], color="gray", ls="--", label="untrained")
+    axes[0].set_title("training score per update (mean, band: seeds' range)", fontsize=9)
+    axes[0].set_xlabel("update"), axes[0].legend(fontsize=7)
+    axes[1].set_title("held-out pass@1 after training (one evaluator)", fontsize=9), axes[1].set_xticks([])
+    figure = os.path.join(HERE, key.removesuffix("_runs") + ".png")
+    axes[1].legend(fontsize=7), fig.tight_layout(), fig.savefig(figure, dpi=80)
+    return out
+
+
+def trl_speed(key="trl_speed", updates=6, rounds=2):
+    """Issue 42, speed and memory at equal work: one process at a time on the whole machine, alternating ppo.py
+    GRPO, TRL GRPO and ppo.py GRPO with --vllm, then the floor (bench.py's model work alone) at the same settings;
+    seconds (wall and CPU) per update, median of updates 2..N pooled over rounds, peak RSS, and the phases."""
+    trl_grpo, a = trl_task(updates, 1, eval_size=128)
+    arms = {"ppo_grpo": (), "trl_grpo": (), "ppo_grpo_vllm": ("--vllm",)}
+    runs = {arm: [] for arm in [*arms, "floor"]}
+    for r in range(rounds):
+        for arm, extra in arms.items():
+            name = f"exp_{key}_{arm}_r{r}"
+            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+            cmd = trl_arm_command(arm.removesuffix("_vllm"), name, trl_grpo, a, extra)
+            subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            runs[arm] += trl_update_rows(arm.removesuffix("_vllm"), name)[1:]
+            print(arm, r, runs[arm][-1], flush=True)
+        floor = subprocess.run([sys.executable, "-c", "import json, sys, tyro, bench, ppo; print(json.dumps(bench."
+                                "measure_floor(tyro.cli(ppo.Args, args=sys.argv[2:]), int(sys.argv[1]))))",
+                                str(updates), "--model", a.model, *trl_grpo.ppo_flags(a)], cwd=ROOT, check=True,
+                               capture_output=True, text=True)
+        runs["floor"] += [{"s": f["update_s"], "cpu_s": f["cpu_s"], "generate_s": f["generate_s"],
+                           "rollout_s": f["generate_s"] + f["score_s"], "train_s": f["ppo_epochs_s"]}
+                          for f in json.loads(floor.stdout.strip().splitlines()[-1])]
+    out = {arm: {k: float(np.median([u[k] for u in rows])) for k in rows[0] if k not in ("score", "peak_mb", "tokens")}
+           for arm, rows in runs.items()}
+    for arm in arms:
+        out[arm]["peak_mb"] = max(u["peak_mb"] for u in runs[arm])
+    ours, trl, floor = out["ppo_grpo"], out["trl_grpo"], out["floor"]
+    out["ratios"] = {"ppo/trl_s": ours["s"] / trl["s"], "ppo/trl_cpu_s": ours["cpu_s"] / trl["cpu_s"],
+                     "ppo/trl_peak": ours["peak_mb"] / trl["peak_mb"], "ppo/floor_s": ours["s"] / floor["s"],
+                     "floor/trl_s": floor["s"] / trl["s"], "vllm/trl_s": out["ppo_grpo_vllm"]["s"] / trl["s"]}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def trl_quick():
+    """Issue 42 in at most 20 minutes: the three arms, seed 1, 4 updates, 32 held-out questions; the speed table
+    with 3 updates, one round."""
+    t0 = time.perf_counter()
+    out = {"learning": trl_learning("trl_quick_runs", updates=4, seeds=(1,), eval_size=32)}
+    out["speed"] = trl_speed("trl_quick_speed", updates=3, rounds=1)
+    out["minutes"] = (time.perf_counter() - t0) / 60
+    return out
+
+
 def lora_smollm2():
     """Issue 28: SmolLM2-135M-Instruct on its sums task with docs/real-model.md's flags, full fine-tuning (learning rate
     2e-5) against LoRA rank 16 on every linear layer (2e-4: LoRA Without Regret's 10x; the critic keeps 2e-4),
@@ -963,7 +1145,8 @@ if __name__ == "__main__":
                      ("guesssteps", guess_steps), ("guessvalue", guess_value), ("arena", arena),
                      ("lora", lora_smollm2), ("objectives", objectives), ("dynamic", dynamic),
                      ("klloss", kl_in_loss), ("rgym", rgym), ("rgymarms", rgym_arms),
-                     ("rgymquick", rgym_quick), ("rgymagain", rgym_again)):
+                     ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
+                     ("trlspeed", trl_speed), ("trlquick", trl_quick)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)

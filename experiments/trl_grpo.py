@@ -12,7 +12,8 @@ of both trainers samples the same questions. The reward is ppo.py's too (`ppo.re
 missing-EOS rule: a completion that does not end in a stop token scores --missing-eos-penalty. MAPPING below is the
 flag table of docs/trl.md: each TRL setting this script passes, the ppo.py flag of the GRPO arm that matches it, and
 what differs where nothing matches; `tests/test_docs.py` checks that the settings passed are the ones it states.
-Prints one JSON line per update (score, seconds, peak RSS) and saves the final policy to --out/policy.
+Prints one JSON line per update (score, wall and CPU seconds, each optimizer step's seconds, peak RSS) and saves
+the final policy to --out/policy.
 """
 import argparse
 import json
@@ -138,7 +139,14 @@ def main():
 
     class Log(TrainerCallback):  # one row per update (steps_per_update optimizer steps): its score, seconds, memory
         def __init__(self):
-            self.t, self.rewards, self.file = time.perf_counter(), [], open(os.path.join(a.out, "metrics.jsonl"), "a")
+            self.t, self.cpu, self.rewards, self.steps = time.perf_counter(), time.process_time(), [], []
+            self.file = open(os.path.join(a.out, "metrics.jsonl"), "a")
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.step_t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # the update's first step generates and scores too
+            self.steps.append(time.perf_counter() - self.step_t)
 
         def on_log(self, args, state, control, logs=None, **kw):  # (after each step: its slice's mean reward)
             if logs and "reward" in logs:
@@ -146,8 +154,9 @@ def main():
             if state.global_step % steps_per_update == 0 and self.rewards:  # (TRL logs it once per generation)
                 now = time.perf_counter()
                 row = {"step": state.global_step // steps_per_update, "score": sum(self.rewards) / len(self.rewards),
-                       "update_s": now - self.t, "peak_rss_mb": peak_rss_mb()}
-                self.t, self.rewards = now, []
+                       "update_s": now - self.t, "cpu_s": time.process_time() - self.cpu, "step_s": self.steps,
+                       "peak_rss_mb": peak_rss_mb()}
+                self.t, self.cpu, self.rewards, self.steps = now, time.process_time(), [], []
                 self.file.write(json.dumps(row) + "\n")
                 self.file.flush()
                 print(json.dumps(row), flush=True)
