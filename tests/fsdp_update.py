@@ -49,8 +49,8 @@ adv = [torch.zeros_like(rollout.advantages) for _ in range(world)]
 dist.all_gather(adv, torch.nn.functional.pad(local.advantages, (0, 0, rows.start, 32 - rows.stop)))
 if rank == 0:
     torch.save({"policy": states[0], "critic": states[1], "advantages": sum(adv), "grads": grads}, argv[1])
-# as at the end of ppo.main: no rank exits while another still works, or a gloo worker thread freeing a
-# gathered tensor during interpreter exit can abort the process ("terminate called without an active exception")
-del grads, states, adv
+# no rank exits while another still works; then no interpreter teardown: a gloo worker thread freeing a gathered
+# tensor there aborts the process ("terminate called without an active exception"), which a barrier and
+# destroy_process_group made rarer but did not stop (2026-12-05, CI's kind of machine); the result is on disk
 dist.barrier()
-dist.destroy_process_group()
+os._exit(0)
