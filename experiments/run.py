@@ -955,7 +955,7 @@ def trl_arm_command(arm, name, trl_grpo, a, extra=()):
     flags = trl_grpo.ppo_flags(a)
     if arm == "trl_grpo":
         args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k != "out" and v is not None]
-        return [TRL_PYTHON, os.path.join(HERE, "trl_grpo.py"), *args, "--out", os.path.join(ROOT, "runs", name)]
+        return [TRL_PYTHON, os.path.join(HERE, "trl_grpo.py"), *args, "--out", os.path.join(ROOT, "runs", name), *extra]
     if arm == "ppo_gae":
         flags = override(flags, adv_estimator="gae", group_size="1")
     return [sys.executable, "ppo.py", "--model", a.model, *flags, "--run-name", name, "--sample-every", "0",
@@ -1067,18 +1067,21 @@ def trl_learning_summary(key, seeds):
 
 def trl_speed(key="trl_speed", updates=6, rounds=2):
     """Issue 42, speed and memory at equal work: one process at a time on the whole machine, alternating ppo.py
-    GRPO, TRL GRPO and ppo.py GRPO with --vllm, then the floor (bench.py's model work alone) at the same settings;
-    seconds (wall and CPU) per update, median of updates 2..N pooled over rounds, peak RSS, and the phases."""
+    GRPO and TRL GRPO without gradient checkpointing (ppo.py's default), both with it (TRL's), ppo.py GRPO with
+    --vllm, then the floor (bench.py's model work alone) at the same settings; seconds (wall and CPU) per update,
+    median of updates 2..N pooled over rounds, peak RSS, and the phases."""
     trl_grpo, a = trl_task(updates, 1, eval_size=128)
-    arms = {"ppo_grpo": (), "trl_grpo": (), "ppo_grpo_vllm": ("--vllm",)}
+    arms = {"ppo_grpo": (), "trl_grpo": ("--gradient-checkpointing", "0"),  # _ckpt: gradient checkpointing on both
+            "ppo_grpo_ckpt": ("--gradient-checkpointing",), "trl_grpo_ckpt": (), "ppo_grpo_vllm": ("--vllm",)}
     runs = {arm: [] for arm in [*arms, "floor"]}
     for r in range(rounds):
         for arm, extra in arms.items():
             name = f"exp_{key}_{arm}_r{r}"
             shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-            cmd = trl_arm_command(arm.removesuffix("_vllm"), name, trl_grpo, a, extra)
+            trainer = arm.removesuffix("_vllm").removesuffix("_ckpt")
+            cmd = trl_arm_command(trainer, name, trl_grpo, a, extra)
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            runs[arm] += trl_update_rows(arm.removesuffix("_vllm"), name)[1:]
+            runs[arm] += trl_update_rows(trainer, name)[1:]
             print(arm, r, runs[arm][-1], flush=True)
         floor = subprocess.run([sys.executable, "-c", "import json, sys, tyro, bench, ppo; print(json.dumps(bench."
                                 "measure_floor(tyro.cli(ppo.Args, args=sys.argv[2:]), int(sys.argv[1]))))",
@@ -1092,9 +1095,12 @@ def trl_speed(key="trl_speed", updates=6, rounds=2):
     for arm in arms:
         out[arm]["peak_mb"] = max(u["peak_mb"] for u in runs[arm])
     ours, trl, floor = out["ppo_grpo"], out["trl_grpo"], out["floor"]
+    ckpt = out["ppo_grpo_ckpt"], out["trl_grpo_ckpt"]
     out["ratios"] = {"ppo/trl_s": ours["s"] / trl["s"], "ppo/trl_cpu_s": ours["cpu_s"] / trl["cpu_s"],
                      "ppo/trl_peak": ours["peak_mb"] / trl["peak_mb"], "ppo/floor_s": ours["s"] / floor["s"],
-                     "floor/trl_s": floor["s"] / trl["s"], "vllm/trl_s": out["ppo_grpo_vllm"]["s"] / trl["s"]}
+                     "floor/trl_s": floor["s"] / trl["s"], "vllm/trl_s": out["ppo_grpo_vllm"]["s"] / trl["s"],
+                     "ckpt ppo/trl_s": ckpt[0]["s"] / ckpt[1]["s"],
+                     "ckpt ppo/trl_peak": ckpt[0]["peak_mb"] / ckpt[1]["peak_mb"]}
     print(json.dumps(out, indent=1), flush=True)
     return out
 

@@ -50,6 +50,11 @@ MAPPING = [
     ("beta", lambda a: a.kl_coef, "--kl-in-loss --kl-estimator k3 --kl-coef", "k3 per token in the loss on both"),
     ("mask_truncated_completions", lambda a: False, "(no --overlong-filter)", ""),
     ("disable_dropout", lambda a: True, "(always)", ""),
+    ("gradient_checkpointing", lambda a: bool(a.gradient_checkpointing), "--gradient-checkpointing (off by default)",
+     "each trainer's default: on in TRL, off in ppo.py; the same numbers, less memory for more time (trlspeed "
+     "measures both on both)"),
+    ("optim", lambda a: "adamw_torch_fused", "(torch AdamW, foreach)", "the same update; the fused kernel makes no "
+     "temporaries of the parameters' size"),
     ("shuffle_dataset", lambda a: False, "(ppo.py's rows and prompt order, through `import ppo`)", ""),
     ("seed", lambda a: a.seed, "--seed", "the prompts are the same; the random streams that sample are not"),
     ("bf16", lambda a: False, "--precision fp32 (a CPU's auto)", ""),
@@ -94,6 +99,7 @@ def parser():
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--kl-coef", type=float, default=0.04)
     ap.add_argument("--missing-eos-penalty", type=float, default=-1.0)
+    ap.add_argument("--gradient-checkpointing", type=int, default=1, help="1: TRL's default (recompute activations)")
     return ap
 
 
