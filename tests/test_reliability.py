@@ -178,7 +178,7 @@ BAD_FLAGS = [
     ("micro_batch_size", 0), ("group_size", 0), ("dual_clip", 0.5), ("value_clip_eps", 0.0), ("top_p", 0.0),
     ("temperature", float("inf")), ("vf_coef", -1.0), ("max_grad_norm", -1.0), ("target_kl", 0.0),
     ("kl_target", -1.0), ("ratio_check_tol", 0.0), ("eval_size", 0), ("missing_eos_penalty", float("nan")),
-    ("rollout_is_cap", 0.5), ("cispo_cap", 0.5), ("eval_samples", 0),
+    ("rollout_correction_high", -1.0), ("cispo_cap", 0.5), ("eval_samples", 0),
     ("pass_threshold", float("nan")), ("vllm_gpu_memory_utilization", 1.5), ("keep_best", "eval/score"),
 ]
 

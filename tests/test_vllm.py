@@ -102,7 +102,8 @@ def test_the_engine_follows_every_push_with_a_tied_head_too(tied, tmp_path):
 
 def test_toy_run_through_vllm_reaches_the_gold_target(world):
     shutil.rmtree("runs/test_vllm", ignore_errors=True)
-    out = subprocess.run([sys.executable, "ppo.py", "--vllm", "--run-name", "test_vllm", "--rollout-is-cap", "2.0"],
+    out = subprocess.run([sys.executable, "ppo.py", "--vllm", "--run-name", "test_vllm",
+                          "--rollout-correction", "token-is"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open("runs/test_vllm/metrics.jsonl")]
@@ -136,3 +137,18 @@ def test_a_lora_policy_is_pushed_merged(world):
     ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11]])  # the adapters moved the policy (the saved one is merged)
     moved = [AutoModelForCausalLM.from_pretrained(p).eval()(ids).logits for p in (world[0], "runs/test_vllm_lora/policy")]
     assert (moved[0] - moved[1]).abs().max() > 1e-2
+
+
+def test_a_bf16_engine_opens_a_gap_that_the_correction_acts_on(world):
+    # the engine in bf16 (as on a GPU), the trainer in fp32: the mismatch the 2026 corrections are for, measured
+    # (mean |log-prob difference| about 7e-3 on the toy world) and masked where a response's ratio leaves [0.97, 1.03]
+    shutil.rmtree("runs/test_vllm_bf16", ignore_errors=True)
+    out = subprocess.run([sys.executable, "ppo.py", "--vllm", "--sampler-precision", "bf16", "--run-name",
+                          "test_vllm_bf16", "--total-episodes", "128", "--rollout-correction", "seq-mask",
+                          "--rollout-correction-low", "0.97", "--rollout-correction-high", "1.03"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open("runs/test_vllm_bf16/metrics.jsonl")]
+    assert len(rows) == 2 and all(1e-3 < r["rollout/logprob_diff_mean"] < 0.1 for r in rows)
+    assert all(0 < r["rollout/corrected_tokens"] < 1 and r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)
+    assert all(r["time/trained_tokens"] < r["time/generated_tokens"] * r["ppo/epochs"] for r in rows)
