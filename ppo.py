@@ -276,11 +276,11 @@ class Args:
     sampler_precision: Literal["auto", "fp32", "bf16"] = "auto"
     """the sampler's forwards (auto: vLLM bf16 on a GPU, fp32 on a CPU; HF as --precision, its log-probs not kept)"""
     rollout_correction: Optional[Literal[tuple(ROLLOUT_CORRECTIONS)]] = None
-    """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (table above; docs/mismatch.md)"""
+    """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (docs/mismatch.md)"""
     rollout_correction_low: OptFloat = None
-    """lowest p_trainer / p_sampler kept (default: the mode's in the table above; none: IS weights are capped)"""
+    """lowest p_trainer / p_sampler kept (default: the mode's, ROLLOUT_CORRECTIONS; IS modes: none, a cap)"""
     rollout_correction_high: OptFloat = None
-    """highest p_trainer / p_sampler kept, or the IS weights' cap (default: the mode's in the table above)"""
+    """highest p_trainer / p_sampler kept, or the IS weights' cap (default: the mode's, ROLLOUT_CORRECTIONS)"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """bf16: every forward under bf16 autocast, all else fp32 (auto: bf16 on a GPU, fp32 on a CPU)"""
     logprob_chunk: int = 256
