@@ -77,6 +77,7 @@ from gae import compute_gae_over_actions
 # an optional flag (None: off, or a default that depends on other flags, as its help says), shown with its type alone
 OptInt, OptFloat, OptStr = (Annotated[Optional[t], tyro.conf.arg(metavar=t.__name__.upper())]
                             for t in (int, float, str))
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --precision and --sampler-precision's autocast dtypes
 
 
 # --rollout-correction: mode -> (veRL 0.9.1's setting it equals, default low and high bounds on p_trainer / p_sampler)
@@ -273,7 +274,7 @@ class Args:
     """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
     vllm_sleep: bool = True
     """free the engine's weights and KV cache during the PPO epochs (GPU only)"""
-    sampler_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    sampler_precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """the sampler's forwards (auto: vLLM bf16 on a GPU, fp32 on a CPU; HF as --precision, its log-probs not kept)"""
     rollout_correction: Optional[Literal[tuple(ROLLOUT_CORRECTIONS)]] = None
     """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (docs/mismatch.md)"""
@@ -281,8 +282,10 @@ class Args:
     """lowest p_trainer / p_sampler kept (default: the mode's, ROLLOUT_CORRECTIONS; IS modes: none, a cap)"""
     rollout_correction_high: OptFloat = None
     """highest p_trainer / p_sampler kept, or the IS weights' cap (default: the mode's, ROLLOUT_CORRECTIONS)"""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """bf16: every forward under bf16 autocast, all else fp32 (auto: bf16 on a GPU, fp32 on a CPU)"""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """every forward under this autocast, all else fp32; fp16 scales the loss (auto: bf16 on a GPU, fp32 on a CPU)"""
+    fp32_head: bool = False
+    """the head's matmul in fp32 under autocast: the log-probs' largest rounding gone (docs/precision.md)"""
     logprob_chunk: int = 256
     """the head on this many tokens at a time, no (b, T, V) logits kept (0 = all at once)"""
     gradient_checkpointing: bool = False
@@ -448,7 +451,7 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
     policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
     rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
     sampler = None if args.sampler_precision == "auto" or args.vllm else torch.autocast(  # HF in another precision
-        device.type, dtype=torch.bfloat16, enabled=args.sampler_precision == "bf16")  # (vLLM: the engine's dtype)
+        device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)  # (vLLM: its own)
     with amp:
         if models.env is None:
             qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
@@ -875,7 +878,7 @@ def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
     return torch.ones_like(mask), mask - out, out
 
 
-def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext()):
+def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext(), scaler=None):
     """Accumulate one minibatch's gradient over micro-batches, weights normalised over the minibatch (all ranks)."""
     mask, lengths = rollout.kept if args.rollout_correction else rollout.mask, rollout.lengths  # (B, T), (B,)
     if args.overlong_filter:  # DAPO: truncated responses leave the losses and their normalisers
@@ -915,7 +918,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
             vf_losses, vf_clipped = value_loss(new_values, rollout.values[idx, :t], rollout.returns[idx, :t],
                                                args.value_clip_eps)  # (b, t) each
             loss = loss + args.vf_coef * (vf_losses * mc_mask).sum() / mb_tokens
-        (loss * world).backward()
+        (loss * world if scaler is None else scaler.scale(loss * world)).backward()  # (fp16: the loss scaled)
         with torch.no_grad():
             ratio_dev = (ratio - 1).abs() * mc_mask  # (b, t)
             stats["ratio_dev_max"] = max(stats["ratio_dev_max"], ratio_dev.max().item())
@@ -941,13 +944,17 @@ def ratio_health(update, mb_stats, ratio_dev_max, tol, device):
     return health
 
 
-def optimizer_step(models, optimizers, max_grad_norm):
+def optimizer_step(models, optimizers, max_grad_norm, scaler=None):
     """Clip each model's gradient norm and step `optimizers`, unless a norm is not finite. Returns (stepped, norms)."""
+    for opt in optimizers if scaler else ():  # fp16: the gradients unscaled before the clip
+        scaler.unscale_(opt)
     norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm or math.inf) for m in models]
     norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]  # FSDP2: DTensor
     finite = all(map(math.isfinite, norms))
     for opt in optimizers if finite else ():
         opt.step()
+    if scaler:  # an overflow (the step skipped) halves the scale; 2,000 steps without one double it
+        scaler.update()
     for m in models:
         m.zero_grad(set_to_none=True)
     return finite, norms
@@ -1016,15 +1023,19 @@ def main(args: Args):
                   for m, lr in zip(trained, (args.learning_rate, args.critic_learning_rate))]  # adapters, value head
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
+    half = "bf16" if args.precision == "auto" and device.type == "cuda" else args.precision
+    amp = torch.autocast(device.type, dtype=HALF.get(half), enabled=half in HALF)  # around every forward (nanoGPT's)
+    # fp16: the loss scaled up so that small gradients survive fp16's range, down after an overflow (whose step is
+    # skipped); torch's GradScaler (Micikevicius et al. 2018), its state in every checkpoint
+    scaler = torch.amp.GradScaler(device.type) if half == "fp16" else None
     kl_coef, first_update, best = args.kl_coef, 1, -math.inf  # the state the loop changes and checkpoints
     if resume_dir is not None:
-        kl_coef, first_update, best = restore(resume_dir, trained, optimizers, schedulers, args.keep_best, device)
+        kl_coef, first_update, best = restore(resume_dir, trained, optimizers, schedulers, scaler, args.keep_best,
+                                              device)
     metrics_file = open_run(args, run_name, run_dir, first_update)  # rank 0's metrics.jsonl, else None
     sampler_filter = (args.top_k, args.top_p) if args.keep_sampling_mask else None
     mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
     micro = args.micro_batch_size or mb_rows  # rows of one forward
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # around every forward (nanoGPT's ctx)
     nonfinite_streak, stop = 0, False
     catch_stop_signals(run_name)  # SIGTERM (preemption) and Ctrl-C: finish the update, checkpoint it, stop
 
@@ -1096,14 +1107,17 @@ def main(args: Args):
             perm = torch.randperm(len(lengths), device=device)  # (B,)
             epoch_stats = {}
             for mb_start in range(0, len(lengths), mb_rows):
-                mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args, amp)
+                mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args, amp,
+                                              scaler)
                 ratio_dev_max = mb_stats.pop("ratio_dev_max")
                 if health is None:  # 8. health check: the first minibatch, before the first step (see inside)
                     health = ratio_health(update, mb_stats, ratio_dev_max, args.ratio_check_tol, device)
                 if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
-                    (args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device, amp)).backward()
-                finite, _ = optimizer_step(trained, stepping, args.max_grad_norm)
-                nonfinite_streak = 0 if finite else nonfinite_streak + 1  # a NaN loss gives NaN gradients
+                    ptx = args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device, amp)
+                    (ptx if scaler is None else scaler.scale(ptx)).backward()
+                finite, _ = optimizer_step(trained, stepping, args.max_grad_norm, scaler)
+                # a NaN loss gives NaN gradients (fp16: counted once the loss scale is down to 1)
+                nonfinite_streak = 0 if finite or (scaler and scaler.get_scale() > 1) else nonfinite_streak + 1
                 skipped_steps += not finite
                 if nonfinite_streak >= args.max_nonfinite_steps:
                     fail(f"update {update}: {nonfinite_streak} optimizer steps in a row had a non-finite loss or "
@@ -1141,6 +1155,7 @@ def main(args: Args):
         row = metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef,
                           schedulers[0].get_last_lr()[0], times, score_parts, models.gold, tokenizer)
         row.update(sampling)  # --dynamic-sampling: its time/generated_tokens counts every round's
+        row.update({"ppo/loss_scale": scaler.get_scale()} if scaler else {})  # fp16
         eval_samples = []
         if args.eval_every and (update % args.eval_every == 0 or update == num_updates):
             t_eval = time.perf_counter()
@@ -1164,7 +1179,7 @@ def main(args: Args):
             write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples)
         stop = global_max(float(bool(STOP_SIGNALS)), device) > 0  # SIGTERM or Ctrl-C on any rank: all stop here
         if (args.save_every and update % args.save_every == 0) or stop:
-            save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_coef, best, device)
+            save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scaler, kl_coef, best, device)
         if stop:
             break
 
@@ -1268,6 +1283,9 @@ def check_args(args, world):
     if args.lora_rank and args.ref_model:
         fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
     bf16_forwards = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available())
+    if args.precision == "fp16" and world > 1:
+        fail("--precision fp16 under torchrun is not written (each rank would scale its loss by its own overflows): "
+             "use bf16")
     if args.lora_base_dtype == "bf16" and not (args.lora_rank and bf16_forwards and world == 1):
         fail("--lora-base-dtype bf16 needs --lora-rank, forwards in bf16 (--precision bf16) and one process (FSDP2 "
              "shards one dtype per layer): use --lora-base-dtype fp32")
@@ -1566,6 +1584,8 @@ def load_models(args, resume_dir, device, log):
     if args.lora_base_dtype == "bf16":  # (after the head check, whose forward runs without autocast)
         for model in [m for m in (policy, critic and critic.seq_cls) if m is not None]:
             bf16_bases(model)
+    for model in (policy, ref_policy) if args.fp32_head else ():  # (under LoRA the reference's head is the policy's)
+        fp32_head(model.get_output_embeddings())
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model, ref_policy = (m and m.to(frozen_device) for m in (reward_model, ref_policy))
     stored = (stored_dtype(policy_path, args), critic and stored_dtype(critic_path, args))  # the final models' dtypes
@@ -1636,6 +1656,17 @@ def add_lora(model, args, flag, head=None):
     for name, p in model.named_parameters():
         p.requires_grad = ".lora_" in name or (head is not None and name.startswith(head + "."))
     return model
+
+
+def fp32_head(head):
+    """--fp32-head: the head's matmul outside autocast, on fp32 states (its weight is fp32 already; the chunked head
+    reads `head.fp32`). Every log-prob and HF's sampling logits come from it."""
+    forward, head.fp32 = head.forward, True
+
+    def fp32_forward(hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return forward(hidden.float())
+    head.forward = fp32_forward
 
 
 def bf16_bases(model):
@@ -2210,6 +2241,9 @@ def chunked_logprobs(model, query_responses, attention_mask, P, temperature, wit
     finally:
         hook.remove()
     hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
+    fp32 = getattr(head, "fp32", False)  # --fp32-head: the chunks' matmuls in fp32 too, outside autocast
+    amp = torch.autocast(hidden.device.type, enabled=False) if fp32 else contextlib.nullcontext()
+    hidden = hidden.float() if fp32 else hidden  # (b*T, H)
     tokens = query_responses[:, P:].flatten()  # (b*T,)
     valid = attention_mask[:, P:].flatten().bool()  # (b*T,): padding was not sampled
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -2220,13 +2254,14 @@ def chunked_logprobs(model, query_responses, attention_mask, P, temperature, wit
         if keep is not None:  # the pairs of positions i..j-1 (sorted by position), renumbered from 0
             lo, hi = torch.searchsorted(keep[0], torch.tensor([i, j], device=tokens.device)).tolist()
             chunk_keep = (keep[0][lo:hi] - i, keep[1][lo:hi])
-        if torch.is_grad_enabled():  # (the sampler's support is only found in the no-grad rollout pass)
-            parts.append(HeadLogprobs.apply(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature,
-                                            with_entropy, softcap, *(chunk_keep or (None, None))) + (None,))
-        else:
-            sampler = sampler_filter and (*sampler_filter, valid[i:j])
-            parts.append(head_chunk(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature, with_entropy,
-                                    softcap, chunk_keep, sampler))
+        with amp:  # (HeadLogprobs' backward runs under the autocast its forward saw)
+            if torch.is_grad_enabled():  # (the sampler's support is only found in the no-grad rollout pass)
+                parts.append(HeadLogprobs.apply(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature,
+                                                with_entropy, softcap, *(chunk_keep or (None, None))) + (None,))
+            else:
+                sampler = sampler_filter and (*sampler_filter, valid[i:j])
+                parts.append(head_chunk(hidden[i:j], head.weight, head.bias, tokens[i:j], temperature, with_entropy,
+                                        softcap, chunk_keep, sampler))
     logprobs = torch.cat([p[0] for p in parts]).view(-1, T)  # (b, T)
     entropy = torch.cat([p[1] for p in parts]).view(-1, T) if with_entropy else None  # (b, T)
     if sampler_filter is not None:  # the pairs found, numbered over all b*T positions again
@@ -2372,7 +2407,8 @@ def vllm_engine(path, config, args, device):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     from vllm import LLM
     with own_rng(device):  # LLM(seed=...) reseeds the caller's global generators
-        dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32", "bf16": "bfloat16", "fp32": "float32"}
+        dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32", "bf16": "bfloat16", "fp32": "float32",
+                 "fp16": "float16"}
         return LLM(model=path, dtype=dtype[args.sampler_precision], seed=args.seed,
                    distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,  # torchrun
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
@@ -2681,7 +2717,7 @@ def save_in_dtype(model, path, state, dtype):
     model.config.dtype = fp32
 
 
-def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_coef, best, device):
+def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scaler, kl_coef, best, device):
     """Write step_<update>/ aside, then rename it into place (a kill leaves every other whole); keep the newest few."""
     rank, world = rank_and_world()
     ckpt_root = os.path.join(run_dir, "checkpoints")
@@ -2700,7 +2736,8 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, kl_co
         save_models(tmp, models, adapters_only=True)  # gathered by all ranks, written by rank 0
         if rank == 0:
             torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
-                            schedulers=[sch.state_dict() for sch in schedulers]), os.path.join(tmp, "state.pt"))
+                            schedulers=[sch.state_dict() for sch in schedulers],
+                            scaler=scaler.state_dict() if scaler else None), os.path.join(tmp, "state.pt"))
             write_json(os.path.join(tmp, "flags.json"), asdict(args))  # what resume compares
             write_json(os.path.join(tmp, "manifest.json"), file_digests(tmp))  # last: what resume verifies
     except (OSError, RuntimeError) as e:  # a full disk shows as "unexpected pos" from torch's zip writer
@@ -2860,7 +2897,7 @@ def check_same_flags(args, ckpt):
              f"(its config.json), or start a new --run-name")
 
 
-def restore(resume_dir, trained, optimizers, schedulers, keep_best, device):
+def restore(resume_dir, trained, optimizers, schedulers, scaler, keep_best, device):
     """Optimizers, schedulers and this rank's random state; returns the KL coefficient, the next update, the best."""
     rank, world = rank_and_world()
     state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)  # every rank reads it
@@ -2870,6 +2907,8 @@ def restore(resume_dir, trained, optimizers, schedulers, keep_best, device):
         optimizer_state(model, opt, load=sd)
     for sched, sd in zip(schedulers, state["schedulers"]):
         sched.load_state_dict(sd)
+    if scaler and state.get("scaler"):  # fp16's loss scale (a checkpoint of another precision: the default)
+        scaler.load_state_dict(state["scaler"])
     best = state["best"]
     if json.load(open(os.path.join(resume_dir, "flags.json"))).get("keep_best") != keep_best:
         best = -math.inf  # the best so far was of another metric (--keep-best may change on resume)

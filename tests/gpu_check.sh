@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, for a machine with one GPU and no network (under 8 minutes on one H200):
+# The GPU checks in one go, for a machine with one GPU and no network (under 9 minutes on one H200):
 # tests/test_gpu.py, then bench.py at the 0.5B Qwen2 shape, beside TRL 1.12's PPOTrainer when its
-# baseline script is at hand. Figures go to one JSON file, $OUT/gpu_check.json (else runs/gpu_check.json).
+# baseline script is at hand, then the precision rows. Figures go to one JSON file, $OUT/gpu_check.json (else runs/gpu_check.json).
 # Without a GPU it says so and stops cleanly, so it is safe anywhere (CI never has a GPU).
 #
 # Before (on the machine with the wheels; see the README's "On a GPU"):
@@ -51,5 +51,10 @@ lines = [l for l in open(sys.argv[2]) if l.startswith("{")]
 data["bench_qwen2_0.5b"] = json.loads(lines[-1]) if lines else "bench.py failed: see bench.log"
 json.dump(data, open(sys.argv[1], "w"), indent=1)
 EOF
+# the precision rows (issue 44): log-probs under bf16, bf16 with --fp32-head and fp16 against fp32, and HF's sampler
+# against the trainer under each, at the 0.5B shape (experiments/precision.py; its vLLM row needs vLLM, not here)
+timeout 180 python3 experiments/precision.py --model runs/gpu/qwen2-0.5b/policy --dataset runs/gpu/prompts.jsonl \
+    --reward-model runs/gpu/qwen2-0.5b/reward --no-vllm --no-speed --json "$json" 2>&1 | tee "$out_dir/precision.log" \
+    || status=1
 echo "gpu_check.sh: figures in $json (exit $status)"
 exit $status

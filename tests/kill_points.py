@@ -3,6 +3,7 @@
     python tests/kill_points.py        # one checkpoint with pruning (steps inside its temporary and discarded
                                        # folders left out), and one resume: about 2 minutes
     python tests/kill_points.py --all  # every file-system step of a whole run, then of one resume
+    python tests/kill_points.py --fp16 # the same in fp16, its loss scale forced to move (it must be restored too)
 
 A reference run (6 updates of 16, a checkpoint every 2, keep 2) records every file-system call it
 makes: opening a file to write, fsync, rename and replace, deleting a tree, making a folder, torch.save
@@ -111,8 +112,11 @@ def same_as(run, ref):
 def main():
     import toy
     toy.build_world()
-    sweep_all = "--all" in sys.argv
-    ref, log_path = "kill_ref", "runs/kill_ref_ops.json"
+    sweep_all, tag = "--all" in sys.argv, "_fp16" if "--fp16" in sys.argv else ""
+    if tag:  # a loss scale of 2^30 overflows the first steps: the scale moves within the run, as a resume must see
+        FLAGS["precision"], real = "fp16", torch.amp.GradScaler
+        torch.amp.GradScaler = lambda device: real(device, init_scale=2.0 ** 30)
+    ref, log_path = f"kill{tag}_ref", f"runs/kill{tag}_ref_ops.json"
     shutil.rmtree(f"runs/{ref}", ignore_errors=True)
     assert child(ref, log_path=log_path) == 0, "the reference run failed"
     ops = json.load(open(log_path))[:-1]  # the last is the child writing this very log, after ppo.main
@@ -126,7 +130,7 @@ def main():
     tried, failed = 0, []
     for k in chosen:
         for when in ("before", "after"):
-            run = "kill_trial"
+            run = f"kill{tag}_trial"
             shutil.rmtree(f"runs/{run}", ignore_errors=True)
             killed = child(run, kill_at=(k, when))
             resumed = child(run, resume="auto")
@@ -135,12 +139,12 @@ def main():
                 failed.append(dict(step=k, when=when, op=ops[k - 1], killed=killed, resumed=resumed))
 
     # the resume's rewrite: rows 1-6 on disk, the newest checkpoint at 4
-    cut = "kill_cut"
+    cut = f"kill{tag}_cut"
     shutil.rmtree(f"runs/{cut}", ignore_errors=True)
     shutil.copytree(f"runs/{ref}", f"runs/{cut}")
     for name in ("checkpoints/step_6", "policy", "critic"):
         shutil.rmtree(f"runs/{cut}/{name}")
-    resume_log = "runs/kill_resume_ops.json"
+    resume_log = f"runs/kill{tag}_resume_ops.json"
     shutil.rmtree(f"runs/{cut}_probe", ignore_errors=True)
     shutil.copytree(f"runs/{cut}", f"runs/{cut}_probe")
     assert child(f"{cut}_probe", resume="auto", log_path=resume_log) == 0, "the probe resume failed"
@@ -148,7 +152,7 @@ def main():
     first_update = next(i for i, (kind, path) in enumerate(resume_ops, 1) if path.endswith("samples.jsonl"))
     for k in range(1, first_update + 1):
         for when in ("before", "after"):
-            run = "kill_resume_trial"
+            run = f"kill{tag}_resume_trial"
             shutil.rmtree(f"runs/{run}", ignore_errors=True)
             shutil.copytree(f"runs/{cut}", f"runs/{run}")
             killed = child(run, kill_at=(k, when), resume="auto")
@@ -156,7 +160,7 @@ def main():
             tried += 1
             if killed != -signal.SIGKILL or resumed != 0 or not same_as(run, ref):
                 failed.append(dict(resume_step=k, when=when, op=resume_ops[k - 1], killed=killed, resumed=resumed))
-    for run in (ref, cut, f"{cut}_probe", "kill_trial", "kill_resume_trial"):
+    for run in (ref, cut, f"{cut}_probe", f"kill{tag}_trial", f"kill{tag}_resume_trial"):
         if not failed:
             shutil.rmtree(f"runs/{run}", ignore_errors=True)
     print(json.dumps(dict(kill_points=tried, run_ops=len(ops), resume_ops=first_update, failed=failed)))

@@ -81,7 +81,9 @@ MUTANTS = [
     ("loss-divided-per-micro-batch", "ppo.py",
      "agg = loss_weights(mc_mask, mask[idx].sum(1), mb_tokens, mb_seqs,",
      "agg = loss_weights(mc_mask, mask[idx].sum(1), mc_mask.sum(), mb_seqs,"),
-    ("loss-times-world-dropped", "ppo.py", "(loss * world).backward()", "loss.backward()"),
+    ("loss-times-world-dropped", "ppo.py",
+     "(loss * world if scaler is None else scaler.scale(loss * world)).backward()",
+     "(loss if scaler is None else scaler.scale(loss * world)).backward()"),
     # top-k / top-p: the sampler's support
     ("support-not-built-at-rollout", "ppo.py",
      "with_entropy=True, sampler_filter=sampler_filter, chunk=chunk)",
@@ -126,7 +128,8 @@ MUTANTS = [
      'if health["ppo/policy/ratio_at_start"] > tol:', 'if health["ppo/policy/ratio_max_at_start"] > 1e-3:'),
     ("value-clipfrac-counts-rounding", "ppo.py",
      "(binds & (vf_losses2 > vf_losses)).float()", "(vf_losses2 > vf_losses).float()"),
-    ("bf16-ignored", "ppo.py", 'bf16 = args.precision == "bf16" or', 'bf16 = False and'),
+    ("bf16-ignored", "ppo.py",
+     'half = "bf16" if args.precision == "auto" and device.type == "cuda" else args.precision', 'half = "fp32"'),
     ("attention-dropout-left-on", "ppo.py",
      "            m.attention_dropout = 0.0", "            m.attention_dropout = m.attention_dropout"),
     # GAE
@@ -275,6 +278,14 @@ MUTANTS = [
      "pg_weights = agg * rollout.is_weights[idx, :t] if args.rollout_correction else agg", "pg_weights = agg"),
     ("sampler-logprobs-without-temperature", "ppo.py", "torch.stack(out.logits, 1).float() / sampling.temperature",
      "torch.stack(out.logits, 1).float()"),
+    # fp16 and the fp32 head (issue 44)
+    ("fp16-loss-not-scaled", "ppo.py", "(loss * world if scaler is None else scaler.scale(loss * world)).backward()",
+     "(loss * world).backward()"),
+    ("fp16-scale-never-lowered", "ppo.py", "        scaler.update()\n", "        pass\n"),
+    ("fp32-head-left-under-autocast", "ppo.py", "        with torch.autocast(hidden.device.type, enabled=False):\n"
+     "            return forward(hidden.float())", "        with contextlib.nullcontext():\n"
+     "            return forward(hidden.float())"),
+    ("fp32-head-not-in-the-chunks", "ppo.py", 'fp32 = getattr(head, "fp32", False)', "fp32 = False"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 

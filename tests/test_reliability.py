@@ -32,8 +32,11 @@ def one_line_refusal(out, message):
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-def test_sigkill_at_every_file_system_step_of_checkpoints_and_resume(world):
-    out = subprocess.run([sys.executable, "tests/kill_points.py"], capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("flags", [[], ["--fp16"]], ids=["fp32", "fp16"])
+def test_sigkill_at_every_file_system_step_of_checkpoints_and_resume(world, flags):
+    # --fp16: the loss scale starts at 2^30 and comes down within the run; a resume that did not restore it would
+    # skip other steps and log another ppo/loss_scale
+    out = subprocess.run([sys.executable, "tests/kill_points.py", *flags], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["kill_points"] >= 60 and result["failed"] == []
