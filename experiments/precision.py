@@ -62,9 +62,10 @@ def score(policy, batches, dtype, tau):
 
 
 def gap(a, b, masks):
-    """Mean and max |a - b| and the mean of (b - a) over the masked tokens of lists of (B, T) tensors."""
+    """Mean and max |a - b| over the masked tokens of lists of (B, T) tensors, and the mean of a - b: KL(a || b) by k1
+    when the tokens were sampled from a (the sampler's log-probs, or fp32's)."""
     d = torch.cat([(x - y)[m > 0] for x, y, m in zip(a, b, masks)])  # (tokens,)
-    return {"mean_abs": d.abs().mean().item(), "max_abs": d.abs().max().item(), "kl": (-d).mean().item(),
+    return {"mean_abs": d.abs().mean().item(), "max_abs": d.abs().max().item(), "kl": d.mean().item(),
             "tokens": len(d)}
 
 
