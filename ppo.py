@@ -2962,14 +2962,16 @@ def replace_file(path, text):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args, code = tyro.cli(Args), 0
     try:
         main(args)
     except UsageError as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except Stopped as e:
         print(f"stopped: {e}", file=sys.stderr)
-        sys.exit(e.code)
+        code = e.code
+    sys.stdout.flush(), sys.stderr.flush()  # torchrun: out without the interpreter's teardown, where gloo's threads
+    (os._exit if "RANK" in os.environ else sys.exit)(code)  # (kept by FSDP2's caches) abort now and then (CI saw it)
