@@ -5,7 +5,7 @@
     python bench.py --model runs/smollm2/model --reward-fn smollm2.py:reward \\
         --dataset runs/smollm2/sums.jsonl --batch-size 8 --response-length 24 --micro-batch-size 4  # any checkpoint
     python bench.py --rounds 2 --trl-python PATH/TO/trl-env/bin/python \\
-        --trl-script ../shared/bench/trl_ppo_baseline.py      # ours, TRL, ours, TRL at the same settings
+        --trl-script PATH/TO/trl_ppo_baseline.py      # ours, TRL, ours, TRL at the same settings
 
 Ours: ppo.py runs in a subprocess under a fresh run name (its run folder is deleted afterwards) and
 bench.py reads the phase timings it logs in metrics.jsonl. Seconds per update are the sum of the
@@ -46,7 +46,7 @@ run N times in that order and the medians pool them. Each point's row goes into
 experiments/scaling.json as it is measured, replacing that point's row with the same extra flags
 (e.g. --vllm), and the table printed at the end is the whole file.
 
-    python bench.py --scaling --trl-python PATH/TO/trl-env/bin/python --trl-script ../shared/bench/trl_ppo_baseline.py
+    python bench.py --scaling --trl-python PATH/TO/trl-env/bin/python --trl-script PATH/TO/trl_ppo_baseline.py
 
 Responses of spread lengths (`--spread`): one batch of 32 responses of 8 to 256 tokens through the
 rollout passes and 2 epochs, --micro-batch-size 4 against --micro-batch-tokens of the same largest

@@ -1,6 +1,6 @@
 """PPO for language models with a critic, in one file: read it top to bottom, fork it, ablate a line.
 
-    python ppo.py                                  # the built-in toy world, CPU, about a minute
+    python ppo.py                                  # the built-in toy world, on a laptop CPU
     python ppo.py --model PATH --reward-model PATH # your HF causal LM and scalar reward model
     torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
@@ -74,13 +74,19 @@ from gae import compute_gae_over_actions
 # ==============================================================================================
 # Flags: what to train on first, then in the order of the loop (docs/flags.md says more of each)
 # ==============================================================================================
-# an optional flag (None: off, or a default that depends on other flags, as its help says), shown with its type alone
-OptInt, OptFloat, OptStr = (Annotated[Optional[t], tyro.conf.arg(metavar=t.__name__.upper())]
-                            for t in (int, float, str))
+# an optional flag: None is off, or a default that depends on other flags; its help says which, so tyro's own
+# "(default: None)" is left out (it would say the default twice)
+def Opt(t, metavar=None):
+    hint = lambda default: "" if default == "None" else f"(default: {default})"  # noqa: E731
+    return Annotated[Optional[t], tyro.conf.arg(metavar=metavar, help_behavior_hint=hint)]
+
+
+OptInt, OptFloat, OptStr = Opt(int, "INT"), Opt(float, "FLOAT"), Opt(str, "STR")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --precision and --sampler-precision's autocast dtypes
 
 
-# --rollout-correction: mode -> (veRL 0.9.1's setting it equals, default low and high bounds on p_trainer / p_sampler)
+# --rollout-correction: mode -> (veRL 0.9.1's setting it equals, default low and high bounds); the bounds are on
+# r = p_trainer / p_sampler for the IS modes, on 1 / r = p_sampler / p_trainer for the masks (as veRL's are)
 ROLLOUT_CORRECTIONS = {
     "token-is": ('rollout_is="token", a cap', None, 2.0),  # truncated IS (Yao et al. 2025; veRL decoupled_token_is)
     "seq-is": ('rollout_is="sequence", a cap', None, 2.0),  # one weight a response (veRL decoupled_seq_is)
@@ -99,9 +105,9 @@ class Args:
     dataset: OptStr = None
     """a prompt file, a hub dataset or reasoning-gym:NAME (None: the world's own)"""
     reward_fn: OptStr = None
-    """FILE.py:NAME (or module:NAME): f(prompts, responses, **columns) -> floats"""
+    """FILE.py:NAME (or module:NAME): f(prompts, responses, **columns) -> floats (None: the world's or task's own)"""
     reward_model: OptStr = None
-    """an HF sequence classifier, one label (the toy's own unless --reward-fn)"""
+    """an HF sequence classifier, one label (None: the toy's own unless --reward-fn)"""
     total_episodes: int = 64 * 100
     """prompts to train on in all: updates = total_episodes // batch_size"""
     batch_size: int = 64
@@ -126,7 +132,7 @@ class Args:
     """top-k sampling (0 = off); needs --keep-sampling-mask"""
     keep_sampling_mask: bool = False
     """with top-p / top-k: every log-prob on the sampler's truncated support, kept from the rollout (DeepSeek-V3.2)"""
-    stop_tokens: Optional[list[str]] = None
+    stop_tokens: Opt(list[str]) = None
     """tokens that end a response (None: generation_config's eos ids, the EOS, the chat template's end of turn)"""
     group_size: int = 1
     """responses sampled per prompt, side by side (the groups of grpo / rloo)"""
@@ -143,7 +149,7 @@ class Args:
     truncate_prompts: bool = False
     """cut longer prompts to their last --max-prompt-length tokens (and count them) instead of refusing"""
     dataset_options: OptStr = None
-    """reasoning-gym:NAME's generator options as JSON, e.g. '{"max_terms": 2}'"""
+    """reasoning-gym:NAME's generator options as JSON, e.g. '{"max_terms": 2}' (None: the task's own)"""
     answer_format: Literal["tag", "raw", "number"] = "tag"
     """reasoning-gym:NAME: the answer in <answer> tags (its convention), the whole response, or its last number"""
 
@@ -159,12 +165,12 @@ class Args:
     overlong_filter: bool = False
     """responses without EOS leave the policy and value losses (DAPO's over-long filtering)"""
     overlong_buffer: OptInt = None
-    """DAPO's soft over-length penalty: from 0 at the limit minus this many tokens down to -1 at the limit"""
+    """DAPO's soft over-length penalty: 0 at the limit less this many tokens, down to -1 at the limit (None = off)"""
 
     # 4. reward and KL
     kl_coef: float = 0.05
     """beta, the per-token KL penalty (N+: 0.05; InstructGPT: 0.02)"""
-    kl_estimator: Optional[Literal["k1", "k2", "k3", "abs"]] = None
+    kl_estimator: Opt(Literal["k1", "k2", "k3", "abs"]) = None
     """per-token KL estimate, joschu.net/blog/kl-approx.html (None: k1 in the reward, k3 in the loss as GRPO)"""
     kl_in_loss: bool = False
     """beta * KL in the loss (GRPO) instead of the reward (InstructGPT)"""
@@ -194,12 +200,12 @@ class Args:
     """grpo / rloo: drop the groups all right or all wrong and refill from new questions (DAPO)"""
     dynamic_sampling_rounds: int = 3
     """the most refill rounds of --dynamic-sampling per update, a batch of prompts each"""
-    whiten_advantages: Optional[bool] = None
+    whiten_advantages: Opt(bool) = None
     """mean 0, std 1 over the tokens in the loss (None: on for gae; off for grpo / rloo, centred per group)"""
     critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
     """critic start (auto: the reward model, as InstructGPT and N+, where it shares the policy's tokenizer)"""
     critic_model: OptStr = None
-    """start the critic from this checkpoint instead (a fresh scalar head unless it has one)"""
+    """start the critic from this checkpoint instead, a fresh scalar head unless it has one (None: --critic-init)"""
 
     # 7. the PPO update
     num_ppo_epochs: int = 4
@@ -209,7 +215,7 @@ class Args:
     micro_batch_size: OptInt = None
     """rollouts per forward and backward on one rank, memory only (None: a rank's whole minibatch)"""
     micro_batch_tokens: OptInt = None
-    """instead: micro-batches of rows sorted by length, each at most this many padded tokens (veRL)"""
+    """instead: micro-batches of rows sorted by length, each at most this many padded tokens (veRL; None = off)"""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     """ppo clips each token's ratio; gspo each response's (Zheng et al. 2025); cispo the weight, detached (MiniMax)"""
     clip_eps: OptFloat = None
@@ -220,7 +226,7 @@ class Args:
     """dual clip for negative advantages: the loss at most -c * A (Ye et al. 2020: c = 3; None = off)"""
     cispo_cap: float = 5.0
     """cispo: the importance weight's upper bound, no lower one (ScaleRL, TRL: 5; veRL: clip_ratio_high = cap - 1)"""
-    loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]] = None
+    loss_agg: Opt(Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]) = None
     """tokens equal, responses equal, or a constant divisor (Dr. GRPO) (None: token-mean; seq-mean-token-mean, gspo)"""
     value_clip_eps: OptFloat = 0.2
     """value clip around the rollout-time values (N+: 0.2; None = off)"""
@@ -235,7 +241,7 @@ class Args:
     ptx_coef: float = 0.0
     """PPO-ptx (InstructGPT): weight of a language-modelling loss on --ptx-dataset (0 = off)"""
     ptx_dataset: OptStr = None
-    """texts for PPO-ptx, a file with a `text` column (the toy world: its SFT corpus)"""
+    """texts for PPO-ptx, a file with a `text` column (None: the toy world's SFT corpus, else none)"""
     max_grad_norm: float = 1.0
     """clip each model's gradient norm to this (0 = off)"""
     anneal_lr: bool = True
@@ -249,7 +255,7 @@ class Args:
 
     # agents: multi-turn episodes
     env: OptStr = None
-    """an environment class FILE.py:NAME or module:NAME (docs/agents.md), or a TextArena game textarena/ID"""
+    """an environment class FILE.py:NAME or module:NAME (docs/agents.md), a TextArena game textarena/ID (None: none)"""
     max_turns: OptInt = None
     """the most agent turns of an episode (None: 1; guess's own)"""
     max_episode_tokens: OptInt = None
@@ -276,12 +282,12 @@ class Args:
     """free the engine's weights and KV cache during the PPO epochs (GPU only)"""
     sampler_precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """the sampler's forwards (auto: vLLM bf16 on a GPU, fp32 on a CPU; HF as --precision, its log-probs not kept)"""
-    rollout_correction: Optional[Literal[tuple(ROLLOUT_CORRECTIONS)]] = None
-    """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (docs/mismatch.md)"""
+    rollout_correction: Opt(Literal[tuple(ROLLOUT_CORRECTIONS)]) = None
+    """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (docs/mismatch.md; None = off)"""
     rollout_correction_low: OptFloat = None
-    """lowest p_trainer / p_sampler kept (default: the mode's, ROLLOUT_CORRECTIONS; IS modes: none, a cap)"""
+    """lowest ratio kept: p_trainer / p_sampler in IS modes, p_sampler / p_trainer in masks (None: the mode's)"""
     rollout_correction_high: OptFloat = None
-    """highest p_trainer / p_sampler kept, or the IS weights' cap (default: the mode's, ROLLOUT_CORRECTIONS)"""
+    """highest ratio kept (IS modes: the weights' cap), the ratio of --rollout-correction-low (None: the mode's)"""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """every forward under this autocast, all else fp32; fp16 scales the loss (auto: bf16 on a GPU, fp32 on a CPU)"""
     fp32_head: bool = False
@@ -317,13 +323,13 @@ class Args:
     pass_threshold: float = 1.0
     """a response passes at this score or above (1.0: a verifiable reward's right)"""
     keep_best: OptStr = None
-    """also save the models to runs/<run>/best/ whenever this eval metric (eval/score) is the highest yet"""
+    """also save the models to runs/<run>/best/ when this eval metric (eval/score) is the highest yet (None = off)"""
     save_every: int = 25
     """a resumable checkpoint every this many updates (0 = only the final models)"""
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep"""
     resume: OptStr = None
-    """a checkpoint folder to continue from, or auto: the newest whole one of --run-name"""
+    """a checkpoint folder to continue from, or auto: the newest whole one of --run-name (None: a new run)"""
     debug: bool = False
     """show Python tracebacks instead of one-line errors"""
 
@@ -338,7 +344,7 @@ class Args:
         if self.model == "chain" and self.reward_model is None and self.reward_fn is None:
             self.reward_fn = "chain:reward"  # the chain world's verifiable reward
         if (self.dataset or "").startswith("reasoning-gym:") and self.reward_model is None and self.reward_fn is None:
-            self.reward_fn = "ppo:reasoning_gym_reward"  # the task's own score_answer
+            self.reward_fn = "reasoning-gym"  # the task's own score_answer (`reasoning_gym_reward`, in this file)
         self.max_turns = self.max_turns or 1
         if self.max_episode_tokens is None:  # the turns, and room for an observation between two
             self.max_episode_tokens = self.max_turns * self.response_length + (self.max_turns - 1) * 64
@@ -703,7 +709,9 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
         return 0.5 * log_r ** 2  # (B, T): >= 0, biased, low variance
     if estimator == "abs":
         return log_r.abs()  # (B, T)
-    return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r  # (B, T): k3 >= 0, unbiased, low variance
+    fail(f"--kl-estimator {estimator!r} has no branch in kl_penalty (k1, k2, k3, abs)")  # (a fork's typo: no default)
 
 
 def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
@@ -856,7 +864,9 @@ def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, max_tokens):
         return mask / mb_tokens  # (b, t)
     if mode == "seq-mean-token-mean":  # every response counts the same, whatever its length
         return mask / (lengths[:, None].clamp(min=1) * mb_seqs)  # (b, t): (a row without tokens adds 0, not NaN)
-    return mask / (mb_seqs * max_tokens)  # "seq-sum-norm" (Dr. GRPO): a constant divisor, no length bias
+    if mode == "seq-sum-norm":  # Dr. GRPO: a constant divisor, no length bias
+        return mask / (mb_seqs * max_tokens)  # (b, t)
+    fail(f"--loss-agg {mode!r} has no branch in loss_weights (token-mean, seq-mean-token-mean, seq-sum-norm)")
 
 
 def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
@@ -864,13 +874,16 @@ def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
     the samples are a little off the policy whose old log-probs PPO uses. Each mode equals veRL 0.9.1's
     compute_rollout_correction_and_rejection_mask (ROLLOUT_CORRECTIONS). Returns the policy loss's weights, the
     mask of the tokens left in the losses and where the correction acted, (B, T) each."""
-    log_ratio = (logprobs - sampler_logprobs) * mask  # (B, T): log p_trainer / p_sampler, 0 off the agent's tokens
+    # (B, T): log p_trainer / p_sampler, 0 off the agent's tokens; detached: weights change the measure, not the loss
+    log_ratio = (logprobs - sampler_logprobs).detach() * mask
     if mode in ("token-is", "seq-is", "icepop"):  # importance weights, capped (TIS) or zeroed out of [low, high]
         if mode == "seq-is":  # one weight a response: the product of its tokens' ratios
             log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1)
         raw = torch.exp(log_ratio.clamp(-20, 20)) * mask  # (B, T): veRL bounds the log-ratio at +-20
         weights = raw.clamp(max=high) if low is None else raw * ((raw >= low) & (raw <= high))  # (B, T)
         return weights, mask, (weights != raw).float() * mask
+    if mode not in ("token-mask", "seq-mask", "geo-mask"):  # (a fork's typo: no default)
+        fail(f"--rollout-correction {mode!r} has no branch in rollout_correction ({', '.join(ROLLOUT_CORRECTIONS)})")
     k1 = -log_ratio.clamp(-20, 20)  # (B, T): log p_sampler / p_trainer, the statistic veRL's masks bound
     if mode != "token-mask":  # seq-mask: its sum over the response; geo-mask: its mean, a geometric mean ratio
         k1 = k1.sum(1, keepdim=True) / (mask.sum(1, keepdim=True).clamp(min=1) if mode == "geo-mask" else 1)  # (B, 1)
@@ -987,7 +1000,9 @@ def policy_objective(new_logprobs, old_logprobs, advantages, mask, args):
         return gspo_loss(new_logprobs, old_logprobs, advantages, mask, args.clip_eps, args.clip_eps_high)
     if args.policy_loss == "cispo":  # the clipped weight, detached, times log p (MiniMax-M1)
         return cispo_loss(new_logprobs, old_logprobs, advantages, args.cispo_cap)
-    return policy_loss(new_logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
+    if args.policy_loss == "ppo":
+        return policy_loss(new_logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
+    fail(f"--policy-loss {args.policy_loss!r} has no branch in policy_objective (ppo, gspo, cispo)")
 
 
 def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp):
@@ -1041,8 +1056,8 @@ def main(args: Args):
 
     log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
     t_start = time.perf_counter()
-    bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,
-               initial=first_update - 1, total=num_updates, disable=rank != 0)
+    bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,  # (in a log,
+               initial=first_update - 1, total=num_updates, disable=rank != 0 or not sys.stderr.isatty())  # no bar)
     for update in bar:
         t0, cpu0 = time.perf_counter(), time.process_time()  # wall clock, and this process's CPU seconds
         # 1. sample prompts (each pass over the prompt set in a fresh order) and generate (--env: play episodes);
@@ -1267,6 +1282,11 @@ def check_args(args, world):
     if args.adv_estimator not in ESTIMATORS:  # (tyro refuses other names; ppo.Args(...) from Python does not)
         fail(f"--adv-estimator {args.adv_estimator!r} is not one of {', '.join(ESTIMATORS)}")
     args.fill_defaults(world)
+    one = torch.ones(1, 1)  # a name that no branch reads (a fork's typo) fails here, before any model loads
+    kl_penalty(one, one, args.kl_estimator), loss_weights(one, one[0], 1, 1, args.loss_agg, 1)
+    policy_objective(one, one, one, one, args)
+    if args.rollout_correction:
+        rollout_correction(one, one, one, args.rollout_correction, args.rollout_correction_low, 2.0)
     if (args.dataset_options is not None or args.answer_format != "tag") and not (args.dataset or "").startswith(
             "reasoning-gym:"):
         fail("--dataset-options and --answer-format are for --dataset reasoning-gym:NAME")
@@ -1973,6 +1993,8 @@ def render_for_rm(rm_tokenizer, prompt, response):
 
 def load_python(spec, flag):
     """`FILE.py:NAME` or `module:NAME` -> the object (--reward-fn's function, --env's class)."""
+    if spec == "reasoning-gym":  # this file's own reward, by no module name (a fork renames the file)
+        return reasoning_gym_reward
     import importlib.util
     path, _, name = spec.rpartition(":")
     try:

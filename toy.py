@@ -1,5 +1,5 @@
 """The embedded default world: short synthetic reviews, a hidden gold judge, and a reward model
-that only approximates it. Everything is built on the CPU in about a minute, with no network, and
+that only approximates it. Everything is built on the CPU, once, with no network, and
 cached as ordinary HF checkpoints under `runs/toy/` so ppo.py loads it like any other model.
 
     prompt    "<bos> i think the pizza was"
@@ -184,7 +184,7 @@ def build_world(root: str = "runs/toy", seed: int = 0, log=print) -> tuple[str, 
     stamp = os.path.join(root, "world.json")
     if os.path.exists(stamp) and json.load(open(stamp)).get("version") == VERSION:
         return policy_dir, reward_dir
-    log(f"building the toy world in {root}/ (once; about a minute on a laptop CPU)")
+    log(f"building the toy world in {root}/ (once; each step is printed)")
     with torch.random.fork_rng():  # leave the caller's random stream as it was
         torch.manual_seed(seed)
         rng = random.Random(seed)

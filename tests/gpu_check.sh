@@ -4,9 +4,8 @@
 # baseline script is at hand, then the precision rows. Figures go to one JSON file, $OUT/gpu_check.json (else runs/gpu_check.json).
 # Without a GPU it says so and stops cleanly, so it is safe anywhere (CI never has a GPU).
 #
-# Before (on the machine with the wheels; see the README's "On a GPU"):
-#   mkdir -p .gpu-wheels && cp ../shared/gpu/wheels/*.whl ../shared/bench/trl_ppo_baseline.py .gpu-wheels/
-# then on the GPU machine, from the checkout:  bash tests/gpu_check.sh
+# From the checkout:  bash tests/gpu_check.sh  (a machine without network: the wheels it lacks in .gpu-wheels/,
+# and TRL's PPO baseline script there for the side-by-side row; docs/gpu.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out_dir=${OUT:-runs}

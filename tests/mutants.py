@@ -270,8 +270,8 @@ MUTANTS = [
     ("token-mask-per-response", "ppo.py", '    if mode != "token-mask":  # seq-mask', '    if True:  # seq-mask'),
     ("seq-mask-takes-the-mean", "ppo.py", 'if mode == "geo-mask" else 1)', 'if mode != "token-mask" else 1)'),
     ("geo-mask-takes-the-sum", "ppo.py", "(mask.sum(1, keepdim=True).clamp(min=1) if mode == ", "(1 if mode == "),
-    ("correction-reads-observation-tokens", "ppo.py", "log_ratio = (logprobs - sampler_logprobs) * mask  # (B, T)",
-     "log_ratio = (logprobs - sampler_logprobs)  # (B, T)"),
+    ("correction-reads-observation-tokens", "ppo.py", "log_ratio = (logprobs - sampler_logprobs).detach() * mask",
+     "log_ratio = (logprobs - sampler_logprobs).detach()"),
     ("masked-tokens-stay-in-the-losses", "ppo.py", "rollout.kept if args.rollout_correction else rollout.mask",
      "rollout.mask"),
     ("is-weights-not-applied", "ppo.py",
@@ -286,6 +286,19 @@ MUTANTS = [
      "            return forward(hidden.float())", "        with contextlib.nullcontext():\n"
      "            return forward(hidden.float())"),
     ("fp32-head-not-in-the-chunks", "ppo.py", 'fp32 = getattr(head, "fp32", False)', "fp32 = False"),
+    # issue 51: loose ends
+    ("seq-mean-over-every-row", "ppo.py",  # veRL's trainer: a mask's rejected responses stay in the divisor
+     "mb_seqs = global_sum((mask[mb_idx].amax(1) > 0).sum().float()).clamp(min=1)",
+     "mb_seqs = global_sum(torch.tensor(float(len(mb_idx)))).clamp(min=1)"),
+    ("correction-weights-carry-gradient", "ppo.py", "(logprobs - sampler_logprobs).detach() * mask",
+     "(logprobs - sampler_logprobs) * mask"),
+    ("reward-bound-to-the-module-name", "ppo.py", 'self.reward_fn = "reasoning-gym"',
+     'self.reward_fn = "ppo:reasoning_gym_reward"'),
+    ("kl-estimator-falls-through", "ppo.py", '    if estimator == "k3":\n', "    if True:\n"),
+    ("loss-agg-falls-through", "ppo.py", '    if mode == "seq-sum-norm":  # Dr. GRPO', "    if True:  # Dr. GRPO"),
+    ("policy-loss-falls-through", "ppo.py", '    if args.policy_loss == "ppo":\n', "    if True:\n"),
+    ("mask-mode-falls-through", "ppo.py", 'if mode not in ("token-mask", "seq-mask", "geo-mask"):',
+     "if False:"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 

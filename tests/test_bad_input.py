@@ -101,3 +101,35 @@ def test_empty_prompt_set(world, tmp_path):
     out = run("--dataset", str(tmp_path / "empty.jsonl"))
     assert out.returncode == 2 and "the prompt set is empty" in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("field, typo, known", [
+    ("kl_estimator", "k4", "kl_penalty (k1, k2, k3, abs)"),
+    ("loss_agg", "seq-mean", "loss_weights (token-mean, seq-mean-token-mean, seq-sum-norm)"),
+    ("policy_loss", "grpo", "policy_objective (ppo, gspo, cispo)"),
+    ("rollout_correction", "tokenmask", "rollout_correction (token-is, seq-is, icepop, token-mask, seq-mask, geo-mask"),
+])
+def test_a_name_that_no_branch_reads_fails_in_one_line_before_any_model_loads(field, typo, known, monkeypatch):
+    """A fork that adds a name to a flag's choices and misspells it in the branch (or forgets the branch) gets one
+    line naming the function and the names it knows, from check_args, not a silent fall-through to another case.
+    (tyro refuses a name outside the Literal; a fork's new Literal, or ppo.Args from Python, reach check_args.)"""
+    import ppo
+    monkeypatch.setitem(ppo.ROLLOUT_CORRECTIONS, "tokenmask", ppo.ROLLOUT_CORRECTIONS["token-mask"])  # (its bounds)
+    with pytest.raises(ppo.UsageError) as e:
+        ppo.check_args(ppo.Args(**{field: typo}, sampler_precision="bf16"), 1)
+    assert f"{typo!r} has no branch in {known}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_forks_new_name_without_its_branch_is_refused_on_the_command_line(world, tmp_path):
+    """The whole path a fork takes: k4 added to --kl-estimator's choices, no branch written: exit 2, one line."""
+    for name in ("gae.py", "toy.py"):
+        shutil.copy(name, tmp_path)
+    source = open("ppo.py").read().replace('kl_estimator: Opt(Literal["k1", "k2", "k3", "abs"])',
+                                           'kl_estimator: Opt(Literal["k1", "k2", "k3", "abs", "k4"])')
+    (tmp_path / "ppo_k4.py").write_text(source)
+    out = subprocess.run([sys.executable, str(tmp_path / "ppo_k4.py"), "--kl-estimator", "k4", "--run-name",
+                          "test_k4"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: --kl-estimator 'k4' has no branch in kl_penalty (k1, k2, k3, abs)"], out.stderr[-2000:]
+    assert not os.path.exists("runs/test_k4")  # refused before anything was written

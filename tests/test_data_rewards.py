@@ -109,6 +109,28 @@ RGYM = dict(dataset="reasoning-gym:chain_sum", dataset_options='{"size": 64, "ma
             eval_size=16)
 
 
+@pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
+def test_a_renamed_copy_trains_on_a_reasoning_gym_task_with_its_own_reward(tmp_path):
+    """`cp ppo.py ppo_idea.py`, as --exp-name's help invites, in a folder of its own: the copy's default reward is
+    its own function (nothing in the file names the module `ppo`), and its runs log under the copy's name."""
+    import real_models
+    model = real_models.build("qwen2")  # a chat model on a real tokenizer (before the copy: it is built here)
+    for name in ("gae.py",):
+        shutil.copy(name, tmp_path)
+    shutil.copy("ppo.py", tmp_path / "ppo_idea.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "ppo_idea.py", "--model", model, "--dataset", RGYM["dataset"],
+                          "--dataset-options", RGYM["dataset_options"], "--eval-size", "16", "--adv-estimator", "grpo",
+                          "--group-size", "4", "--batch-size", "8", "--total-episodes", "8", "--num-ppo-epochs", "1",
+                          "--response-length", "8", "--save-every", "0", "--run-name", "renamed"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.load(open(tmp_path / "runs/renamed/config.json"))
+    assert config["reward_fn"] == "reasoning-gym" and config["exp_name"] == "ppo_idea"
+    row = json.loads(open(tmp_path / "runs/renamed/metrics.jsonl").readline())
+    assert 0 <= row["objective/reward_fn"] <= 1
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("answer_format", ["tag", "raw", "number"])
 def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
@@ -116,7 +138,7 @@ def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
     import reasoning_gym
     args = ppo.Args(**RGYM, answer_format=answer_format)
     ppo.check_args(args, 1)
-    assert args.reward_fn == "ppo:reasoning_gym_reward"
+    assert args.reward_fn == "reasoning-gym"
     train, held_out = ppo.load_prompt_rows(args)
     assert len(held_out) == 16
     ask = ppo.ANSWER_FORMATS[answer_format]

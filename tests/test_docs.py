@@ -5,6 +5,7 @@ to a copy of ppo.py, learns; a finished run names its files and its headline fig
     python tests/test_docs.py     # rewrites the ablation table's last column as ppo.py stands
 """
 import ast
+import dataclasses
 import glob
 import json
 import os
@@ -17,6 +18,16 @@ import pytest
 
 DOCS = ["README.md", "experiments/README.md", *sorted(glob.glob("docs/*.md"))]
 MAP_HEADING, ABLATIONS = "## Reading ppo.py", "docs/ablations.md"
+
+# The size limits (ppo.py's lines, main's, the loop's place, --help's, the README's) are this project's discipline,
+# every feature paying for its lines, not correctness: a fork whose idea adds lines turns them off here, in one line.
+SIZE_LIMITS = True
+
+
+def within(value, limit, what):
+    assert not SIZE_LIMITS or value <= limit, (
+        f"{what} is {value}, over this project's limit of {limit}: a size limit, the project's discipline rather than "
+        "a bug; a fork that grows turns the size limits off with SIZE_LIMITS = False in tests/test_docs.py")
 
 
 def sections(path="ppo.py"):
@@ -106,7 +117,7 @@ def test_every_link_between_the_docs_leads_somewhere():
                 assert os.path.exists(os.path.join(os.path.dirname(path), target)), f"{path} links to {target}"
     readme = open("README.md").read()
     assert all(path in readme for path in DOCS[1:]), "the README links to every doc"
-    assert len(readme.splitlines()) <= 300
+    within(len(readme.splitlines()), 300, "README.md's length in lines")
 
 
 @pytest.mark.fast
@@ -117,11 +128,21 @@ def test_the_training_loop_comes_first_and_main_stays_short():
     body = lines[main:end]
     loop = next(i for i, line in enumerate(body) if line.startswith("    for update in "))
     loop_end = next(i for i in range(loop + 1, len(body)) if body[i].startswith("    ") and not body[i].startswith("     "))
-    assert main + loop_end <= 1200, "the training loop must end by line 1,200"
-    assert len(body) <= 220 and loop_end - loop <= 150, (len(body), loop_end - loop)
     assert not any(re.match(r"\s+def ", x) for x in body), "no function defined inside main"
-    assert max(map(len, lines)) <= 120
-    assert len(lines) <= 3000, f"ppo.py is {len(lines)} lines: it stays within 3,000 (every feature pays for its lines)"
+    within(main + loop_end, 1200, "the line where the training loop ends")
+    within(len(body), 220, "main's length in lines")
+    within(loop_end - loop, 150, "the training loop's length in lines")
+    within(max(map(len, lines)), 120, "ppo.py's longest line, in characters")
+    within(len(lines), 3000, "ppo.py's length in lines")
+
+
+@pytest.mark.fast
+def test_a_size_limit_says_it_is_one_and_how_a_fork_turns_it_off(monkeypatch):
+    with pytest.raises(AssertionError, match="SIZE_LIMITS = False in tests/test_docs.py"):
+        within(3001, 3000, "ppo.py's length in lines")
+    monkeypatch.setattr(sys.modules[__name__], "SIZE_LIMITS", False)
+    within(3001, 3000, "ppo.py's length in lines")  # a fork's 3,001 lines: no failure
+    assert "`SIZE_LIMITS = False`" in open("README.md").read().split("## How to fork it")[1].split("\n## ")[0]
 
 
 # what the algorithm's functions may still call below `main`: the engine, the reward sources, the env's checked
@@ -235,7 +256,7 @@ def test_help_fits_200_lines_and_shows_a_newcomers_flags_first():
     in the first 60, each description at most three lines and written on one (no hard line break in a flag's help)."""
     out = subprocess.run([sys.executable, "ppo.py", "--help"], capture_output=True, text=True,
                          env=dict(os.environ, COLUMNS="120"), check=True).stdout.splitlines()
-    assert len(out) <= 200, len(out)
+    within(len(out), 200, "--help's length in lines at 120 columns")
     for flag in ("--model ", "--dataset ", "--reward-fn ", "--total-episodes "):
         assert any(line[2:].startswith(flag) for line in out[:60]), flag
     entries = []  # the help's lines of each flag: its invocation, then its description
@@ -284,3 +305,48 @@ def test_the_trl_baseline_passes_the_settings_its_table_states():
     assert (args.kl_in_loss, args.kl_estimator, args.kl_coef) == (True, "k3", P["beta"]) and P["beta"] > 0
     assert (args.seed, args.precision, args.overlong_filter) == (P["seed"], "fp32", P["mask_truncated_completions"])
     assert args.missing_eos_penalty == a.missing_eos_penalty
+
+
+@pytest.mark.fast
+def test_no_flag_prints_its_default_twice():
+    """An optional flag's help says what None does, so tyro's own "(default: None)" is left out; a flag with another
+    default keeps tyro's note, and its help does not repeat the word."""
+    import ppo
+    out = subprocess.run([sys.executable, "ppo.py", "--help"], capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="300"), check=True).stdout
+    assert "(default: None)" not in out and out.count("(default:") == sum(
+        f.default is not None for f in dataclasses.fields(ppo.Args))
+    helps = {n.target.id: d.value.value for n, d in zip(top_level()["Args"].body, top_level()["Args"].body[1:])
+             if isinstance(n, ast.AnnAssign) and isinstance(d, ast.Expr)}
+    for field in dataclasses.fields(ppo.Args):
+        assert "None" in helps[field.name] if field.default is None else "default" not in helps[field.name], field.name
+
+
+@pytest.mark.fast
+def test_no_doc_names_a_path_outside_the_repository():
+    """A user has the repository alone: every ../path a doc names lies inside it and exists."""
+    root = os.path.abspath(".")
+    for path in DOCS:
+        for target in re.findall(r"(?:\.\./)+[\w./-]*\w", open(path).read()):
+            where = os.path.abspath(os.path.join(os.path.dirname(path), target))
+            assert where.startswith(root + os.sep) and os.path.exists(where), f"{path} names {target}"
+
+
+@pytest.mark.fast
+def test_the_readme_tells_a_newcomer_what_the_code_does():
+    readme = open("README.md").read()
+    fork = readme.split("## How to fork it")[1].split("\n## ")[0]
+    assert all(f"`{name}`" in fork.split(";")[0] for name in ("ppo.py", "gae.py", "toy.py"))  # all three to copy
+    setup = readme.split("## Two commands")[1].split("**What you will see.**")[0]
+    assert "vLLM is optional" in setup and "skip without it" in setup
+    # the toy's time, measured once and said once: in the README, and nowhere else with another figure
+    assert len(re.findall(r"\d+ s of training", readme)) == 1
+    for path in ("ppo.py", "toy.py"):
+        assert "minute" not in open(path).read().split('"""')[1], path  # (their docstrings)
+    assert "minute" not in readme.split("## Two commands")[0]
+    # the variants on by default are named where the README says the others are off
+    import ppo
+    defaults = ppo.Args()
+    variants = readme.split("Every variant the literature argues about")[1].split("\n\n")[0]
+    assert defaults.missing_eos_penalty is not None and "--missing-eos-penalty" in variants
+    assert defaults.value_clip_eps is not None and "value clip" in variants

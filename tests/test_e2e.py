@@ -30,6 +30,8 @@ def test_a_few_updates_write_every_metric_and_a_loadable_checkpoint(world):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in open("runs/test_e2e/metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # not a terminal: a line per update, and no progress bar whose redraws would bury them in a log
+    assert all(f"update {u:4d}  score" in out.stdout for u in (1, 2, 3)) and "update/s" not in out.stderr
     for key in KEYS:
         assert all(key in r and r[key] == r[key] for r in rows), key  # present and not NaN
     assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in rows)  # the check's own tolerance is 1e-3

@@ -90,10 +90,13 @@ def gradient(world, loss_agg, rows=None, kept=None, is_weights=None):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_the_losses_see_the_correction_as_veRLs_actor_and_critic_do(world, loss_agg):
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
+def test_the_gradients_scale_does_not_depend_on_how_many_responses_a_mask_drops(world, loss_agg):
     """Masked responses leave the policy and the value loss and their normalisers: the gradient of a minibatch of the
-    responses kept alone. IS weights multiply the policy loss only: weights of 2 double the policy's gradient."""
+    responses kept alone, whatever the aggregation. (veRL 0.9.1's trainer divides its seq-mean losses by the
+    minibatch's rows, global_batch_size = ppo_mini_batch_size, rejected ones included: its step shrinks by the share
+    its mask drops; ppo.py divides by the responses kept, as both divide a token-mean by the tokens kept; see
+    docs/mismatch.md.) IS weights multiply the policy loss only: weights of 2 double the policy's gradient."""
     plain = gradient(world, loss_agg)
     rollout_mask = rollout_batch(world)[2].mask  # (32, T)
     out = torch.arange(32) % 3 == 0  # (32,): as a sequence mask drops them
@@ -168,3 +171,32 @@ def test_a_checkpoint_of_the_old_cap_flag_is_not_resumed_without_it(tmp_path):
                 ppo.check_same_flags(args, str(tmp_path))
         else:
             ppo.check_same_flags(args, str(tmp_path))
+
+
+@pytest.mark.fast
+def test_an_asymmetric_bound_rejects_the_side_the_help_names():
+    """--rollout-correction-low/-high bound p_trainer / p_sampler in the IS modes and p_sampler / p_trainer in the
+    masks, as their help says: two responses of one token, at the two ratios 2 and 1/2, bounds [0.9, 3]: each mode
+    keeps the response whose ratio, as the help names it, is 2, and drops the one at 1/2."""
+    low_help = open(ppo.__file__).read().split("rollout_correction_low: OptFloat = None")[1].splitlines()[1]
+    assert "p_trainer / p_sampler in IS modes" in low_help and "p_sampler / p_trainer in masks" in low_help, low_help
+    trainer, mask = torch.zeros(2, 1), torch.ones(2, 1)  # log p_trainer of each response's token
+    sampler = torch.log(torch.tensor([[0.5], [2.0]]))  # p_trainer / p_sampler = 2, then 1/2
+    weights = ppo.rollout_correction(trainer, sampler, mask, "icepop", 0.9, 3.0)[0]  # IS: p_trainer / p_sampler
+    assert weights.tolist() == [[2.0], [0.0]]
+    for mode in ("token-mask", "seq-mask", "geo-mask"):  # masks: p_sampler / p_trainer, 1/2 then 2
+        kept = ppo.rollout_correction(trainer, sampler, mask, mode, 0.9, 3.0)[1]
+        assert kept.tolist() == [[0.0], [1.0]], mode
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("mode", list(ppo.ROLLOUT_CORRECTIONS))
+def test_a_correction_carries_no_gradient(mode):
+    """The weights and masks change the measure, not the objective: given log-probs that require a gradient (a
+    fork that corrects against the training pass's own), nothing returned carries one (veRL detaches them too)."""
+    inputs = VERL["inputs"]
+    logprobs = torch.tensor(inputs["old_log_prob"]).requires_grad_()
+    low, high = ppo.ROLLOUT_CORRECTIONS[mode][1:]
+    out = ppo.rollout_correction(logprobs, torch.tensor(inputs["rollout_log_prob"][mode]),
+                                 torch.tensor(inputs["response_mask"]).float(), mode, low, high)
+    assert not any(x.requires_grad for x in out)

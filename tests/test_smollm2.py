@@ -140,7 +140,7 @@ def test_smollm2_trains_on_a_reasoning_gym_task(smol):
                           "--sample-every", "1", "--save-every", "0"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(open("runs/test_rgym/metrics.jsonl").readline())
-    assert json.load(open("runs/test_rgym/config.json"))["reward_fn"] == "ppo:reasoning_gym_reward"
+    assert json.load(open("runs/test_rgym/config.json"))["reward_fn"] == "reasoning-gym"
     assert row["ppo/policy/ratio_at_start"] < 1e-5 and 0 <= row["objective/reward_fn"] <= 1
     assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1
     samples = [json.loads(line) for line in open("runs/test_rgym/samples.jsonl")]
