@@ -182,6 +182,8 @@ class Args:
     """scale per-token rewards to unit variance, mean kept (off in N+)"""
     ref_model: OptStr = None
     """the frozen reference of the KL penalty (None: --model)"""
+    unread_reference: bool = False
+    """at --kl-coef 0 load the reference and run its pass anyway (the textbook's; False: neither, as TRL)"""
 
     # 5-6. advantages
     adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
@@ -210,6 +212,8 @@ class Args:
     # 7. the PPO update
     num_ppo_epochs: int = 4
     """K, passes over each rollout batch (N+)"""
+    old_logprobs: Literal["auto", "recompute", "on-policy", "sampler"] = "auto"
+    """old log-probs: a no-grad pass, the loss's forward (1 epoch, 1 minibatch, beta 0), the sampler's (auto: 2nd)"""
     num_minibatches: int = 1
     """optimizer steps per epoch, batch_size / num_minibatches rollouts each"""
     micro_batch_size: OptInt = None
@@ -242,14 +246,16 @@ class Args:
     """PPO-ptx (InstructGPT): weight of a language-modelling loss on --ptx-dataset (0 = off)"""
     ptx_dataset: OptStr = None
     """texts for PPO-ptx, a file with a `text` column (None: the toy world's SFT corpus, else none)"""
+    fused_adamw: bool = True
+    """AdamW's fused kernel where torch has one for the parameters' device (else torch's default; the log says which)"""
     max_grad_norm: float = 1.0
     """clip each model's gradient norm to this (0 = off)"""
     anneal_lr: bool = True
     """decay both learning rates linearly to 0 over the run"""
 
     # 8. health check
-    ratio_check_tol: float = 1e-2
-    """the most mean |ratio - 1| on the first minibatch before any step (the toy: 2e-7 fp32, 6e-4 bf16)"""
+    ratio_check_tol: OptFloat = None
+    """the most mean |ratio - 1| on the first minibatch before any step (None: 1e-2; 5e-2 against the sampler)"""
     max_nonfinite_steps: int = 3
     """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
 
@@ -356,6 +362,13 @@ class Args:
         if self.clip_eps is None and self.policy_loss != "cispo":  # (cispo clips the weight, at --cispo-cap)
             self.clip_eps = 3e-4 if gspo else 0.2
         self.loss_agg = self.loss_agg or ("seq-mean-token-mean" if gspo else "token-mean")  # GSPO: one ratio a response
+        if self.old_logprobs == "auto":  # the ratio is 1 by construction: nothing moves the policy before the
+            on_policy = (self.num_ppo_epochs, self.num_minibatches, self.kl_coef) == (1, 1, 0)  # one step, and nothing
+            on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask)  # reads
+            # them before phase 7 (a reference's KL, a correction, the sampler's support)
+            self.old_logprobs = "on-policy" if on_policy else "recompute"
+        if self.ratio_check_tol is None:  # against the sampler, the gap of another engine or precision counts too
+            self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else 5e-2
         if self.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
             self.whiten_advantages = ESTIMATORS[self.adv_estimator]["whiten"]
         if self.rollout_correction:  # the mode's published bounds (ROLLOUT_CORRECTIONS), where not given
@@ -404,16 +417,14 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
         responses, engine_logprobs = vllm_generate(llm, sampling, prompt_ids, greedy, tokenizer.pad_token_id,
                                                    device)  # (B, T) each
     else:
-        keep = sampler is not None and not greedy  # --sampler-precision: keep the logits sampled from
-        with torch.no_grad(), sampler or contextlib.nullcontext():
+        kept = SampledLogprobs(sampling.temperature) if sampler is not None and not greedy else None  # the sampler's
+        with torch.no_grad(), sampler or contextlib.nullcontext():  # log-probs kept (--sampler-precision, ...)
             # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
             out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
-                                  return_dict_in_generate=True, output_logits=keep,
+                                  return_dict_in_generate=True, logits_processor=[kept] if kept else None,
                                   **({"do_sample": False, "temperature": None} if greedy else {}))
-        responses, engine_logprobs = out.sequences[:, P:], None  # (B, T), T <= response_length
-        if keep:  # HF samples from softmax(logits / tau), its logits in fp32 whatever the autocast
-            scaled = torch.stack(out.logits, 1).float() / sampling.temperature  # (B, T, V)
-            engine_logprobs = torch.log_softmax(scaled, -1).gather(2, responses[..., None]).squeeze(2)  # (B, T)
+        responses = out.sequences[:, P:]  # (B, T), T <= response_length
+        engine_logprobs = kept and kept.logprobs(responses)  # (B, T), or None
     stop_ids = torch.tensor(sampling.eos_token_id, device=device).flatten()  # (S,)
     lengths = response_lengths(responses, stop_ids)  # (B,)
     has_eos = torch.isin(responses, stop_ids).any(1)  # (B,): False = cut by the length limit
@@ -456,8 +467,10 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
     """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score, no_grad."""
     policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
     rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
-    sampler = None if args.sampler_precision == "auto" or args.vllm else torch.autocast(  # HF in another precision
-        device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)  # (vLLM: its own)
+    sampler = None if args.vllm else torch.autocast(  # HF in another precision (vLLM: its own), its log-probs kept
+        device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)
+    if args.sampler_precision == "auto" and not args.vllm:  # HF in --precision: kept where the update reads them
+        sampler = contextlib.nullcontext() if args.old_logprobs != "recompute" else None
     with amp:
         if models.env is None:
             qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
@@ -657,7 +670,8 @@ class ValueModel(nn.Module):
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
                    sampler_filter=None, chunk=0, budget=None):
-    """Phase 3 but the score: old and reference log-probs, entropies, values (B, T), the next values (B,), support."""
+    """Phase 3 but the score: old and reference log-probs, entropies, values (B, T), the next values (B,), support.
+    A model given as None is not run (--old-logprobs other than recompute; no reference at beta 0): zeros."""
     B, T = mask.shape
     lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
@@ -667,13 +681,15 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     for rows in micro_batches(lengths, P, micro, budget):  # (b,) row indices each
         t = int(lengths[rows].max())
         qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
-        logprobs[rows, :t], entropy[rows, :t], keep = policy_logprobs(
-            policy, qr, am, P, temperature, with_entropy=True, sampler_filter=sampler_filter, chunk=chunk)
+        keep = None  # (the sampler's support, with --keep-sampling-mask)
+        if policy is not None:
+            logprobs[rows, :t], entropy[rows, :t], keep = policy_logprobs(
+                policy, qr, am, P, temperature, with_entropy=True, sampler_filter=sampler_filter, chunk=chunk)
         if sampler_filter is not None:  # kept for every later pass of this batch (old and new log-probs alike)
             kept_pos.append(rows[keep[0] // t] * T + keep[0] % t)  # (N,): micro-batch position -> batch position
             kept_tok.append(keep[1])
-        ref_logprobs[rows, :t], _, _ = policy_logprobs(ref_policy, qr, am, P, temperature, keep=keep,
-                                                       chunk=chunk)  # (b, t): on the policy's support
+        if ref_policy is not None:  # (b, t): on the policy's support
+            ref_logprobs[rows, :t] = policy_logprobs(ref_policy, qr, am, P, temperature, keep=keep, chunk=chunk)[0]
         if critic is not None:
             values_all[rows, :t + 1] = state_values(critic, qr, am, P)  # (b, t+1)
     values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
@@ -891,8 +907,12 @@ def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
     return torch.ones_like(mask), mask - out, out
 
 
-def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext(), scaler=None):
-    """Accumulate one minibatch's gradient over micro-batches, weights normalised over the minibatch (all ranks)."""
+def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext(), scaler=None,
+                       first=True):
+    """Accumulate one minibatch's gradient over micro-batches, weights normalised over the minibatch (all ranks).
+    Without phase 3's policy pass (--old-logprobs), the first epoch's forward fills the rollout's entropies (and the
+    old log-probs, on-policy) and the health check compares it with the sampler's log-probs."""
+    fill = first and args.old_logprobs != "recompute"
     mask, lengths = rollout.kept if args.rollout_correction else rollout.mask, rollout.lengths  # (B, T), (B,)
     if args.overlong_filter:  # DAPO: truncated responses leave the losses and their normalisers
         mask = mask * rollout.has_eos[:, None]  # (B, T)
@@ -909,8 +929,12 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         # with --keep-sampling-mask, the rollout's support at these rows' first t positions
         keep = kept_pairs(rollout.support, idx, t, mask.shape[1]) if args.keep_sampling_mask else None
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
-            new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,
-                                                           keep, chunk=args.logprob_chunk)  # (b, t) each
+            new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature,
+                                                           args.ent_coef > 0 or fill, keep, chunk=args.logprob_chunk)
+        if fill:  # (b, t) each: detached, as phase 3's no-grad pass would have given them
+            rollout.entropy[idx, :t] = new_entropy.detach() * mc_mask
+            if args.old_logprobs == "on-policy":  # one epoch, one minibatch: nothing stepped since the sampler drew
+                rollout.logprobs[idx, :t] = new_logprobs.detach() * mc_mask
         old_logprobs = rollout.logprobs[idx, :t]  # (b, t)
         new_logprobs = torch.where(mc_mask.bool(), new_logprobs, old_logprobs)  # (b, t): padding: ratio 1, no NaN
         pg_losses, ratio, logratio, pg_clipped = policy_objective(
@@ -933,7 +957,9 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
             loss = loss + args.vf_coef * (vf_losses * mc_mask).sum() / mb_tokens
         (loss * world if scaler is None else scaler.scale(loss * world)).backward()  # (fp16: the loss scaled)
         with torch.no_grad():
-            ratio_dev = (ratio - 1).abs() * mc_mask  # (b, t)
+            ratio_dev = (ratio - 1).abs() * mc_mask  # (b, t); on-policy it is 0: the check reads the sampler's
+            if fill and args.old_logprobs == "on-policy":  # (as --old-logprobs sampler's ratio does)
+                ratio_dev = (torch.exp(new_logprobs - rollout.engine_logprobs[idx, :t]) - 1).abs() * mc_mask
             stats["ratio_dev_max"] = max(stats["ratio_dev_max"], ratio_dev.max().item())
             for k, v in (("pg_loss", pg_losses), ("vf_loss", vf_losses), ("pg_clip", pg_clipped),
                          ("vf_clip", vf_clipped), ("approxkl", 0.5 * logratio ** 2), ("ratio", ratio),
@@ -1034,8 +1060,9 @@ def main(args: Args):
     llm = start_vllm(args, models, device)  # None without --vllm
     engine_sleeps = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
     prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log, models.env)
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, eps=1e-5)  # LoRA: only
-                  for m, lr in zip(trained, (args.learning_rate, args.critic_learning_rate))]  # adapters, value head
+    rates = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
+    optimizers = [adamw([p for p in m.parameters() if p.requires_grad], rates[name], args.fused_adamw, name, log)
+                  for m, name in zip(trained, rates)]  # (LoRA: the adapters and the value head alone)
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
     half = "bf16" if args.precision == "auto" and device.type == "cuda" else args.precision
@@ -1073,13 +1100,17 @@ def main(args: Args):
          turn_ends, texts, scores, score_parts) = batch  # (B, ...): see `Sampled`
         t_generate = time.perf_counter() - t0
 
-        # 3. no-grad passes: old and reference log-probs, values (the score came with the samples)
+        # 3. no-grad passes: old and reference log-probs, values (the score came with the samples); the field skips
+        # the first where it can (--old-logprobs: phase 7's own forward fills them, or the sampler's serve)
         move(models.swapped, device)
         with amp:
             logprobs, ref_logprobs, entropy, values, next_values, support = rollout_passes(
-                policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, args.temperature,
-                sampler_filter, args.logprob_chunk, args.micro_batch_tokens)  # (B, T) each; next_values (B,)
+                policy if args.old_logprobs == "recompute" else None, ref_policy, critic, query_responses,
+                attention_mask, mask, P, micro, args.temperature, sampler_filter, args.logprob_chunk,
+                args.micro_batch_tokens)  # (B, T) each; next_values (B,)
         move(models.swapped, "cpu")  # free the accelerator for phase 7
+        if args.old_logprobs == "sampler":  # veRL's bypass mode: the ratio is then against the sampler itself
+            logprobs = engine_logprobs * mask  # (B, T): 0 on observations (never a sampler's value there)
 
         # 4. per-token rewards: KL penalty everywhere, the score on the last real token (long responses: see inside)
         scores, bootstrap_value = long_responses(scores, has_eos, lengths, next_values, args)  # (B,), (B,) or None
@@ -1123,7 +1154,7 @@ def main(args: Args):
             epoch_stats = {}
             for mb_start in range(0, len(lengths), mb_rows):
                 mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args, amp,
-                                              scaler)
+                                              scaler, first=epoch == 0)
                 ratio_dev_max = mb_stats.pop("ratio_dev_max")
                 if health is None:  # 8. health check: the first minibatch, before the first step (see inside)
                     health = ratio_health(update, mb_stats, ratio_dev_max, args.ratio_check_tol, device)
@@ -1374,6 +1405,13 @@ def check_args(args, world):
         fail(f"--total-episodes {args.total_episodes} is less than one batch of {args.batch_size}")
     if args.resume == "auto" and args.run_name is None:
         fail("--resume auto needs the --run-name of the run to continue")
+    if args.old_logprobs == "on-policy" and ((args.num_ppo_epochs, args.num_minibatches, args.kl_coef) != (1, 1, 0)
+                                             or args.unread_reference):
+        fail("--old-logprobs on-policy needs one epoch, one minibatch and --kl-coef 0 without --unread-reference (else "
+             "the policy moves before a step reads them, or the KL reads them first): use recompute or sampler")
+    if args.old_logprobs != "recompute" and (args.keep_sampling_mask or args.rollout_correction):
+        fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction is not written "
+             "(both read the trainer's log-probs before phase 7): use --old-logprobs recompute")
     if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto"):
         fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm or --sampler-precision")
     if (args.rollout_correction_low or 0) > (args.rollout_correction_high or math.inf):
@@ -1564,7 +1602,9 @@ def load_models(args, resume_dir, device, log):
         ref_policy = AdaptersOff(policy)
     else:
         policy = load_model(AutoModelForCausalLM, start, "--model", args)
-        ref_policy = load_model(AutoModelForCausalLM, args.ref_model or policy_path, "--ref-model", args)
+        ref_policy = None if no_reference(args) else load_model(AutoModelForCausalLM, args.ref_model or policy_path,
+                                                                "--ref-model", args)
+    ref_policy = None if no_reference(args) else ref_policy
     reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path,
                                                          "--reward-model", args))
     critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
@@ -1594,23 +1634,36 @@ def load_models(args, resume_dir, device, log):
     if rm_tokenizer is not None and rm_tokenizer.pad_token is None:  # right padding, read before it: any id
         rm_tokenizer.pad_token = rm_tokenizer.eos_token or rm_tokenizer.convert_ids_to_tokens(0)
     shares_tokens = [m.seq_cls for m in (critic, reward_model if rm_tokenizer is None else None) if m]
-    for model in [policy] + [ref_policy] * (not args.lora_rank) + shares_tokens:
+    for model in [policy] + [ref_policy] * (not args.lora_rank and ref_policy is not None) + shares_tokens:
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     policy, ref_policy, critic = (m and m.to(device) for m in (policy, ref_policy, critic))
-    if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy)):
+    if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy) if m):
         log(f"{type(policy).__name__} transforms its logits after the head: log-probs from all the logits at once")
         args.logprob_chunk = 0  # (so config.json says what runs)
     if args.lora_base_dtype == "bf16":  # (after the head check, whose forward runs without autocast)
         for model in [m for m in (policy, critic and critic.seq_cls) if m is not None]:
             bf16_bases(model)
-    for model in (policy, ref_policy) if args.fp32_head else ():  # (under LoRA the reference's head is the policy's)
+    for model in [m for m in (policy, ref_policy) if m] if args.fp32_head else ():  # (LoRA: one head for both)
         fp32_head(model.get_output_embeddings())
     frozen_device = torch.device("cpu") if args.offload_frozen else device
     reward_model, ref_policy = (m and m.to(frozen_device) for m in (reward_model, ref_policy))
     stored = (stored_dtype(policy_path, args), critic and stored_dtype(critic_path, args))  # the final models' dtypes
     return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
                   reward_model, rm_tokenizer, reward_fn, env, gold, policy_path, critic_path, stored, swapped=[])
+
+
+def adamw(params, lr, fused, name, log):
+    """torch's AdamW (eps 1e-5, N+), with its fused kernel, one kernel a step for all tensors (TRL's default optim),
+    where torch has one (CPU, CUDA, floating point; FSDP2's DTensors too), else torch's default; the log says which."""
+    kernel = fused and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    log(f"{name}'s AdamW: " + ("fused" if kernel else "torch's default" + (", no fused kernel here" if fused else "")))
+    return torch.optim.AdamW(params, lr=lr, eps=1e-5, fused=kernel or None)
+
+
+def no_reference(args):
+    """Beta 0: no KL reads the reference (TRL's default since 2025), so neither its copy nor its pass is paid for."""
+    return args.kl_coef == 0 and not args.unread_reference
 
 
 def stop_token_ids(tokenizer, generation_config, stop_tokens=None):
@@ -1781,7 +1834,7 @@ def shard_models(models, args, device, world):
     if world > 1:
         m.policy = shard(m.policy, m.policy._no_split_modules or [])
         m.critic = m.critic and shard(m.critic, m.critic.seq_cls._no_split_modules or [])
-        if args.shard_frozen and not args.lora_rank:  # (LoRA: the reference is the sharded policy, adapters off)
+        if args.shard_frozen and not args.lora_rank and m.ref_policy:  # (LoRA: the reference is the policy's view)
             m.ref_policy = shard(m.ref_policy, m.ref_policy._no_split_modules or [], args.offload_frozen)
         if args.shard_frozen:
             m.reward_model = m.reward_model and shard(m.reward_model, m.reward_model.seq_cls._no_split_modules or [],
@@ -2396,6 +2449,24 @@ def chunked_head_works(model, device):
     return torch.allclose(plain, chunked, atol=1e-4)
 
 
+class SampledLogprobs(transformers.LogitsProcessor):
+    """Log p of each sampled token under softmax(logits / tau), as HF samples it: each step's (B, V) log-softmax is
+    held until the next step shows the token drawn from it, so no (B, T, V) logits are kept. HF calls its own
+    processors first (none: a clean generation config), this one, then the temperature warper: raw fp32 logits."""
+
+    def __init__(self, temperature):
+        self.temperature, self.last, self.taken = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.taken.append(self.last.gather(1, input_ids[:, -1:]))  # (B, 1): the token drawn a step ago
+        self.last = torch.log_softmax(scores.float() / self.temperature, -1)  # (B, V)
+        return scores
+
+    def logprobs(self, responses):
+        return torch.cat([*self.taken, self.last.gather(1, responses[:, -1:])], 1)  # (B, T)
+
+
 # --- vLLM rollouts ----------------------------------------------------------------------------
 # An engine in this process samples; the trainer's own log-probs stay PPO's old ones (docs/vllm.md).
 
@@ -2499,9 +2570,10 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
     var_returns = masked_var(returns, mask)
     explained_variance = 1 - masked_var(returns - rollout.values, mask) / var_returns.clamp(min=1e-8)
     row = {"step": update, "episode": update * args.batch_size, "objective/scores": scores.mean().item(),
-           "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
-           # the KL to the reference as k1 estimates it, whatever --kl-estimator is: comparable across estimators
-           "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item(),
+           **({} if no_reference(args) else {  # (beta 0: no reference was run, so no KL to report)
+               "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
+               # the KL to the reference as k1 estimates it, whatever --kl-estimator is: comparable across estimators
+               "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item()}),
            "objective/kl_coef": kl_coef, "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
            "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
            "objective/entropy": masked_mean(rollout.entropy, mask).item(),
@@ -2652,8 +2724,9 @@ def write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples):
     """Rank 0: the metrics row, a console line, the sample rows, and their wandb mirror."""
     metrics_file.write(json_line(row))
     metrics_file.flush()
-    bar.set_postfix(score=f"{row['objective/scores']:.2f}", kl=f"{row['objective/kl']:.2f}")
-    tqdm.write(f"update {row['step']:4d}  score {row['objective/scores']:+.3f}  kl {row['objective/kl']:.3f}  "
+    bar.set_postfix(score=f"{row['objective/scores']:.2f}")
+    tqdm.write(f"update {row['step']:4d}  score {row['objective/scores']:+.3f}  "
+               + (f"kl {row['objective/kl']:.3f}  " if "objective/kl" in row else "")  # (beta 0: none)
                + (f"gold {row['objective/gold']:.3f}  " if "objective/gold" in row else "")
                + f"clipfrac {row['ppo/policy/clipfrac_avg']:.3f}  len {row['ppo/val/response_length']:.1f}  "
                f"{row['time/rollout_s'] + row['time/update_s']:.2f}s")
@@ -2679,6 +2752,9 @@ def run_summary(args, run_dir, seconds):
     last = [r[key] for r in rows[-10:]]
     out = [f"done in {seconds:.0f} s: {name} {rows[0][key]:.2f} at update {rows[0]['step']}, {np.mean(last):.2f} "
            f"over the last {len(last)} (of {rows[-1]['step']})"]
+    if no_reference(args):
+        out.append("  no KL metrics: at --kl-coef 0 nothing reads the reference, so none was loaded or run "
+                   "(--unread-reference runs it)")
     for path, what in (("metrics.jsonl", "one row per update (docs/metrics.md explains them)"),
                        ("samples.jsonl", "prompts, responses and their scores, every --sample-every updates"),
                        ("eval_samples.jsonl", "the evaluation's responses"), ("policy", "the trained policy"),

@@ -70,7 +70,7 @@ def test_bf16_passes_its_own_health_check(world):
     # rows and lengths, so single tokens differ by up to a few percent; the mean over the minibatch does not
     rows = run_main("test_bf16", precision="bf16", total_episodes=20 * 32, batch_size=32, **MICRO)
     assert len(rows) == 20
-    assert max(r["ppo/policy/ratio_at_start"] for r in rows) < ppo.Args.ratio_check_tol / 5
+    assert max(r["ppo/policy/ratio_at_start"] for r in rows) < 1e-2 / 5  # (the default tolerance of a recomputed pass)
     assert max(r["ppo/policy/ratio_max_at_start"] for r in rows) > 1e-3  # bf16 really was on: fp32 stays < 1e-5
     assert rows[-1]["objective/gold"] > rows[0]["objective/gold"]
 

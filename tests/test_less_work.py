@@ -1,0 +1,131 @@
+"""Less model work per update (issue 52): the old log-probs without a pass (--old-logprobs on-policy, sampler), no
+reference at beta 0, AdamW's fused kernel. Each saving removes exactly the pass it claims, and changes the update
+no more than fp32's rounding where it claims to change nothing."""
+import pytest
+import torch
+
+import ppo
+from fp32 import assert_close_fp32
+from test_in_process import run_main
+from test_ppo_parts import checked, rollout_batch
+
+ONE_STEP = dict(num_ppo_epochs=1, num_minibatches=1, kl_coef=0.0)  # on-policy by construction
+
+
+def passes(monkeypatch, **flags):
+    """One update of the toy world: the log-prob passes it ran, as (which model, with a gradient or not)."""
+    calls, real = [], ppo.policy_logprobs
+
+    def counted(model, *a, **kw):
+        calls.append((type(model).__name__, torch.is_grad_enabled()))
+        return real(model, *a, **kw)
+    monkeypatch.setattr(ppo, "policy_logprobs", counted)
+    monkeypatch.setattr(ppo, "chunked_head_works", lambda model, device: True)  # (its own 8-token probes)
+    rows = run_main("test_passes", **flags)
+    return sorted(calls), rows[0]
+
+
+@pytest.mark.fast
+def test_each_saving_removes_exactly_the_pass_it_claims(world, monkeypatch):
+    """Log-prob passes of one update of 64 rollouts in one micro-batch (the reference is the same class as the
+    policy: it is told apart by the count): the textbook's three, then one fewer for each saving."""
+    policy, ref = ("LlamaForCausalLM", False), ("LlamaForCausalLM", False)
+    train = ("LlamaForCausalLM", True)
+    textbook, row = passes(monkeypatch, **ONE_STEP, unread_reference=True)  # auto: the reference's KL reads them
+    assert textbook == sorted([policy, ref, train]) and row["objective/kl"] == 0  # (update 1: policy = reference)
+    no_ref, row = passes(monkeypatch, **ONE_STEP, old_logprobs="recompute")
+    assert no_ref == sorted([policy, train]) and "objective/kl" not in row and "objective/kl_k1" not in row
+    neither, row = passes(monkeypatch, **ONE_STEP)  # auto: on-policy
+    assert neither == [train] and row["objective/entropy"] > 0  # the entropy from the training forward
+    sampler, _ = passes(monkeypatch, old_logprobs="sampler")  # 4 epochs, beta 0.05: the reference's pass alone
+    assert sampler == sorted([ref] + [train] * 4)
+
+
+def backward(world, old_logprobs, **flags):
+    """One minibatch's gradient on a real rollout; the rollout as phase 7 leaves it (its log-probs, entropies)."""
+    policy, critic, rollout, P = rollout_batch(world)
+    with torch.no_grad():  # what phase 3's pass gives: the entropies (and the log-probs rollout_batch took)
+        rollout.entropy = ppo.policy_logprobs(policy, rollout.query_responses, rollout.attention_mask, P, 0.7,
+                                              with_entropy=True)[1] * rollout.mask
+    pass_logprobs, pass_entropy = rollout.logprobs.clone(), rollout.entropy.clone()
+    rollout.engine_logprobs = pass_logprobs  # a sampler that agrees with the trainer
+    if old_logprobs != "recompute":  # no pass: phase 7 fills what it gave
+        rollout.entropy = torch.zeros_like(rollout.entropy)
+    if old_logprobs == "on-policy":
+        rollout.logprobs = torch.zeros_like(rollout.logprobs)
+    args = checked(**ONE_STEP, old_logprobs=old_logprobs, micro_batch_size=8, response_length=12, **flags)
+    stats = ppo.minibatch_backward(policy, critic, rollout, torch.arange(32), P, args)
+    grads = torch.cat([p.grad.flatten() for m in (policy, critic) for p in m.parameters()])
+    return grads, rollout, stats, (pass_logprobs, pass_entropy)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_the_on_policy_shortcut_equals_the_recomputed_path(world, loss_agg):
+    """The training forward's own log-probs, detached, as the old ones: the gradient, and the log-probs and entropies
+    it leaves in the rollout, are the recomputed path's to fp32 rounding (two forwards of the same rows in other
+    micro-batch shapes); the health check then reads the sampler's log-probs, and finds the ratio 1."""
+    textbook, _, _, (pass_logprobs, pass_entropy) = backward(world, "recompute", loss_agg=loss_agg)
+    shortcut, rollout, stats, _ = backward(world, "on-policy", loss_agg=loss_agg)
+    n = int(rollout.mask.sum())
+    assert textbook.abs().max() > 0
+    assert_close_fp32(shortcut, textbook, n)
+    assert_close_fp32(rollout.logprobs, pass_logprobs * rollout.mask, n)  # (0 on padding)
+    assert_close_fp32(rollout.entropy, pass_entropy, n)
+    assert 0 < stats["ratio_dev"] / stats["tokens"] < 1e-5  # against the sampler: not 0 by construction
+
+
+@pytest.mark.fast
+def test_the_sampler_path_equals_the_recomputed_path_when_the_sampler_agrees(world):
+    """--old-logprobs sampler with a sampler whose log-probs are the trainer's: the same loss and gradient, bit for
+    bit; the entropies come from the training forward."""
+    textbook, _, stats_a, (_, pass_entropy) = backward(world, "recompute")
+    sampler, rollout, stats_b, _ = backward(world, "sampler")
+    assert torch.equal(sampler, textbook) and stats_a["pg_loss"] == stats_b["pg_loss"]
+    assert_close_fp32(rollout.entropy, pass_entropy, int(rollout.mask.sum()))
+
+
+@pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
+def test_without_a_pass_the_health_check_measures_the_sampler(world):
+    """On-policy, the ratio against the old log-probs is 1 by construction: the check compares the training forward
+    with the sampler's log-probs instead. An fp32 sampler agrees to incremental decoding's rounding; a bf16 one shows
+    its gap (the same figure the rollout/ metrics give), and a tight tolerance stops the run on it."""
+    fp32 = run_main("test_health_fp32", **ONE_STEP, adv_estimator="grpo", group_size=4)
+    assert all(r["ppo/policy/ratio_at_start"] < 1e-5 for r in fp32)
+    bf16 = run_main("test_health_bf16", **ONE_STEP, adv_estimator="grpo", group_size=4, sampler_precision="bf16")
+    assert all(1e-4 < r["ppo/policy/ratio_at_start"] < 5e-2 for r in bf16)
+    with pytest.raises(ppo.UsageError, match="before any step"):
+        run_main("test_health_tight", **ONE_STEP, adv_estimator="grpo", group_size=4, sampler_precision="bf16",
+                 ratio_check_tol=1e-5)
+
+
+def test_an_agents_observations_never_take_a_sampler_value(monkeypatch):
+    """--old-logprobs sampler on the guess world's episodes: the old log-probs are the sampler's on the agent's
+    tokens and 0 on the observations (off the mask), whatever the rows hold there."""
+    seen, real = [], ppo.minibatch_backward
+
+    def spy(policy, critic, rollout, *a, **kw):
+        seen.append(rollout)
+        return real(policy, critic, rollout, *a, **kw)
+    monkeypatch.setattr(ppo, "minibatch_backward", spy)
+    rows = run_main("test_sampler_guess", model="guess", old_logprobs="sampler", total_episodes=32, batch_size=32)
+    r = seen[0]
+    assert rows[0]["env/turns"] > 1 and ((1 - r.mask) * r.attention_mask[:, -r.mask.shape[1]:]).sum() > 0
+    assert torch.equal(r.logprobs, r.engine_logprobs * r.mask) and r.logprobs[r.mask == 0].eq(0).all()
+    assert (r.logprobs[r.mask == 1] < 0).all()
+
+
+@pytest.mark.fast
+def test_adamw_is_fused_where_torch_has_the_kernel_and_says_which_ran():
+    said = []
+    p = torch.nn.Parameter(torch.ones(3))
+    assert ppo.adamw([p], 1e-3, True, "policy", said.append).defaults["fused"] and said == ["policy's AdamW: fused"]
+    assert not ppo.adamw([p], 1e-3, False, "policy", said.append).defaults["fused"]
+    meta = torch.nn.Parameter(torch.ones(3, device="meta"))  # a device torch has no fused kernel for: no refusal
+    assert not ppo.adamw([meta], 1e-3, True, "critic", said.append).defaults["fused"]
+    assert said[-1] == "critic's AdamW: torch's default, no fused kernel here"
+
+
+def test_lora_and_two_ranks_run_the_fused_kernel(world, capsys):
+    run_main("test_fused_lora", lora_rank=4, total_episodes=32, batch_size=32)
+    assert "policy's AdamW: fused" in capsys.readouterr().out
