@@ -46,9 +46,13 @@
    trl: ppo.py GRPO at TRL's settings, TRL GRPO, ppo.py PPO with the critic, 3 seeds, 25 updates; every saved
      policy scored by one evaluator on 128 held-out questions; trlspeed: seconds and peak RSS, one process at a
      time, alternating, with ppo.py --vllm and the floor; trlquick: both, cut to fit 20 minutes.
+26. issue 52, less model work per update: trlspeed now measures ppo.py's new defaults, --old-logprobs sampler and
+   the path before issue 52 (by flags) at TRL's settings and at beta 0, beside TRL (results.json's trlspeed52,
+   issue 42's trlspeed kept); trl52: ppo.py's GRPO arm of trl again with the new defaults, 3 seeds.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
+import copy
 import json
 import os
 import shutil
@@ -1000,7 +1004,7 @@ def trl_record(key, name, value):
         json.dump(results, open(path, "w"), indent=1)
 
 
-def trl_learning(key="trl_runs", updates=25, seeds=(1, 2, 3), eval_size=128, parallel=2):
+def trl_learning(key="trl_runs", updates=25, seeds=(1, 2, 3), eval_size=128, parallel=2, arms=TRL_ARMS):
     """Issue 42, learning: the three arms x seeds, two runs at a time on one thread each; each run's saved policy
     scored by the one evaluator as soon as it ends, and recorded in results.json[key] (a run recorded is not run
     again). The untrained model is scored by the same evaluator. Returns the summary (trl_learning_summary)."""
@@ -1026,11 +1030,20 @@ def trl_learning(key="trl_runs", updates=25, seeds=(1, 2, 3), eval_size=128, par
         print(name, record["eval"], f"{record['wall_s']:.0f} s", flush=True)
         trl_record(key, name, record)
 
-    jobs = [(arm, seed) for seed in seeds for arm in TRL_ARMS if f"exp_{key}_{arm}_s{seed}" not in done]
+    jobs = [(arm, seed) for seed in seeds for arm in arms if f"exp_{key}_{arm}_s{seed}" not in done]
     jobs = ([("base", 1)] if "base" not in done else []) + jobs
     with ThreadPoolExecutor(parallel) as pool:
         list(pool.map(lambda j: job(*j), jobs))
     return trl_learning_summary(key, seeds)
+
+
+def trl_new_defaults():
+    """Issue 52, learning unchanged: ppo.py's GRPO arm of `trl` re-run with the new defaults (three seeds), scored by
+    the same evaluator; the untrained model's score is trl_runs' (the same evaluator, seed and questions)."""
+    results = json.load(open(os.path.join(HERE, "results.json")))
+    if "base" not in results.get("trl52_runs", {}):
+        trl_record("trl52_runs", "base", results["trl_runs"]["base"])
+    return trl_learning("trl52_runs", arms=("ppo_grpo",))
 
 
 def trl_learning_summary(key, seeds):
@@ -1066,21 +1079,35 @@ def trl_learning_summary(key, seeds):
     return out
 
 
-def trl_speed(key="trl_speed", updates=6, rounds=2):
-    """Issue 42, speed and memory at equal work: one process at a time on the whole machine, alternating ppo.py
-    GRPO and TRL GRPO without gradient checkpointing (ppo.py's default), both with it (TRL's), ppo.py GRPO with
-    --vllm, then the floor (bench.py's model work alone) at the same settings; seconds (wall and CPU) per update,
-    median of updates 2..N pooled over rounds, peak RSS, and the phases."""
+# the previous path by flags: what ppo.py did before issue 52 (a recomputed pass, a reference at beta 0, foreach AdamW)
+OLD_PATH = ("--old-logprobs", "recompute", "--unread-reference", "--no-fused-adamw")
+
+
+def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None):
+    """Issues 42 and 52, speed and memory at equal work: one process at a time on the whole machine, alternating,
+    without gradient checkpointing on either side. TRL's settings (beta 0.04, 2 minibatches) and TRL's default beta 0
+    (neither loads a reference): ppo.py's new defaults, with --old-logprobs sampler, the path before issue 52 by flags,
+    and --vllm; TRL's GRPOTrainer; the critic's arm (GAE) new and old; then the floor (bench.py's textbook model
+    work) at TRL's settings. Seconds (wall and CPU) per update, median of updates 2..N pooled over rounds, peak RSS,
+    and the phases."""
     trl_grpo, a = trl_task(updates, 1, eval_size=128)
-    arms = {"ppo_grpo": (), "trl_grpo": ("--gradient-checkpointing", "0"),  # _ckpt: gradient checkpointing on both
-            "ppo_grpo_ckpt": ("--gradient-checkpointing",), "trl_grpo_ckpt": (), "ppo_grpo_vllm": ("--vllm",)}
+    b0 = copy.copy(a)
+    b0.kl_coef = 0.0
+    every = {  # arm: (trainer, settings, extra flags)
+        "ppo_grpo": ("ppo_grpo", a, ()), "ppo_grpo_sampler": ("ppo_grpo", a, ("--old-logprobs", "sampler")),
+        "ppo_grpo_old": ("ppo_grpo", a, OLD_PATH), "trl_grpo": ("trl_grpo", a, ("--gradient-checkpointing", "0")),
+        "ppo_grpo_vllm": ("ppo_grpo", a, ("--vllm",)),
+        "ppo_grpo_b0": ("ppo_grpo", b0, ()), "ppo_grpo_b0_sampler": ("ppo_grpo", b0, ("--old-logprobs", "sampler")),
+        "ppo_grpo_b0_old": ("ppo_grpo", b0, OLD_PATH),
+        "trl_grpo_b0": ("trl_grpo", b0, ("--gradient-checkpointing", "0")),
+        "ppo_gae": ("ppo_gae", a, ()), "ppo_gae_old": ("ppo_gae", a, OLD_PATH)}
+    arms = {arm: every[arm] for arm in (arms or every)}
     runs = {arm: [] for arm in [*arms, "floor"]}
     for r in range(rounds):
-        for arm, extra in arms.items():
+        for arm, (trainer, settings, extra) in arms.items():
             name = f"exp_{key}_{arm}_r{r}"
             shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-            trainer = arm.removesuffix("_vllm").removesuffix("_ckpt")
-            cmd = trl_arm_command(trainer, name, trl_grpo, a, extra)
+            cmd = trl_arm_command(trainer, name, trl_grpo, settings, extra)
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             runs[arm] += trl_update_rows(trainer, name)[1:]
             print(arm, r, runs[arm][-1], flush=True)
@@ -1092,16 +1119,23 @@ def trl_speed(key="trl_speed", updates=6, rounds=2):
                            "rollout_s": f["generate_s"] + f["score_s"], "train_s": f["ppo_epochs_s"]}
                           for f in json.loads(floor.stdout.strip().splitlines()[-1])]
     out = {arm: {k: float(np.median([u[k] for u in rows])) for k in rows[0] if k not in ("score", "peak_mb", "tokens")}
-           for arm, rows in runs.items()}
+           for arm, rows in runs.items() if rows}
     for arm in arms:
         out[arm]["peak_mb"] = max(u["peak_mb"] for u in runs[arm])
-    ours, trl, floor = out["ppo_grpo"], out["trl_grpo"], out["floor"]
-    ckpt = out["ppo_grpo_ckpt"], out["trl_grpo_ckpt"]
-    out["ratios"] = {"ppo/trl_s": ours["s"] / trl["s"], "ppo/trl_cpu_s": ours["cpu_s"] / trl["cpu_s"],
-                     "ppo/trl_peak": ours["peak_mb"] / trl["peak_mb"], "ppo/floor_s": ours["s"] / floor["s"],
-                     "floor/trl_s": floor["s"] / trl["s"], "vllm/trl_s": out["ppo_grpo_vllm"]["s"] / trl["s"],
-                     "ckpt ppo/trl_s": ckpt[0]["s"] / ckpt[1]["s"],
-                     "ckpt ppo/trl_peak": ckpt[0]["peak_mb"] / ckpt[1]["peak_mb"]}
+    ratio = lambda x, y, k="s": out[x][k] / out[y][k] if x in out and y in out else None  # noqa: E731
+    out["ratios"] = {"ppo/trl_s": ratio("ppo_grpo", "trl_grpo"),
+                     "ppo/trl_peak": ratio("ppo_grpo", "trl_grpo", "peak_mb"),
+                     "sampler/trl_s": ratio("ppo_grpo_sampler", "trl_grpo"),
+                     "sampler/trl_peak": ratio("ppo_grpo_sampler", "trl_grpo", "peak_mb"),
+                     "old/trl_s": ratio("ppo_grpo_old", "trl_grpo"), "vllm/trl_s": ratio("ppo_grpo_vllm", "trl_grpo"),
+                     "b0 ppo/trl_s": ratio("ppo_grpo_b0", "trl_grpo_b0"),
+                     "b0 ppo/trl_peak": ratio("ppo_grpo_b0", "trl_grpo_b0", "peak_mb"),
+                     "b0 sampler/trl_s": ratio("ppo_grpo_b0_sampler", "trl_grpo_b0"),
+                     "b0 sampler/trl_peak": ratio("ppo_grpo_b0_sampler", "trl_grpo_b0", "peak_mb"),
+                     "b0 old/trl_s": ratio("ppo_grpo_b0_old", "trl_grpo_b0"),
+                     "gae new/old_s": ratio("ppo_gae", "ppo_gae_old"),
+                     "gae new/old_peak": ratio("ppo_gae", "ppo_gae_old", "peak_mb"),
+                     "ppo/floor_s": ratio("ppo_grpo", "floor"), "floor/trl_s": ratio("floor", "trl_grpo")}
     print(json.dumps(out, indent=1), flush=True)
     return out
 
@@ -1111,7 +1145,8 @@ def trl_quick():
     with 3 updates, one round."""
     t0 = time.perf_counter()
     out = {"learning": trl_learning("trl_quick_runs", updates=4, seeds=(1,), eval_size=32)}
-    out["speed"] = trl_speed("trl_quick_speed", updates=3, rounds=1)
+    quick_arms = ("ppo_grpo", "ppo_grpo_old", "trl_grpo")
+    out["speed"] = trl_speed("trl_quick_speed", updates=3, rounds=1, arms=quick_arms)
     out["minutes"] = (time.perf_counter() - t0) / 60
     return out
 
@@ -1153,11 +1188,11 @@ if __name__ == "__main__":
                      ("lora", lora_smollm2), ("objectives", objectives), ("dynamic", dynamic),
                      ("klloss", kl_in_loss), ("rgym", rgym), ("rgymarms", rgym_arms),
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
-                     ("trlspeed", trl_speed), ("trlquick", trl_quick)):
+                     ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
-            results[name] = result
+            results["trlspeed52" if name == "trlspeed" else name] = result  # (issue 42's trlspeed kept beside it)
             if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
                 results["rgym_heldout"] = results.pop(name)
             json.dump(results, open(path, "w"), indent=1)
