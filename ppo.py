@@ -4,20 +4,7 @@
     python ppo.py --model PATH --reward-model PATH # your HF causal LM and scalar reward model
     torchrun --nproc_per_node=8 ppo.py --model PATH --reward-model PATH   # FSDP2 over 8 GPUs
 
-One update, the numbered phases of `main`'s loop (docs/loop.md says more of each):
-  1. sample B / G prompts, G responses each (--group-size; 1 for GAE) at temperature tau (--env: episodes, `play`)
-  2. cut each response after its first EOS; the mask keeps the EOS
-  3. the score (reward model, --reward-fn), then no-grad passes: old log-probs, reference log-probs, values
-  4. per-token reward: -beta * KL_t on every token, plus the score on the last real token
-  5. GAE (gae.py), or a critic-free advantage from each prompt's group of samples
-  6. whiten the advantages over the tokens in the loss
-  7. K epochs x minibatches x micro-batches of the clipped policy loss and the clipped value loss
-  8. health check: on the first minibatch, before its step, the importance ratio must be 1 (up to rounding)
-  9. push the new weights into the vLLM engine (--vllm);  10. log, save
-
-Four models, all loaded in fp32 and run under autocast (--precision): the policy (trained), the reference (its frozen
-initial copy; with --lora-rank, the policy with its adapters off), the reward model (frozen, one output) and the
-critic (trained; from the reward model as InstructGPT and N+ do, when it reads the policy's tokens).
+One update is the ten numbered phases of `main`'s loop (README, docs/loop.md); the four models: docs/code-notes.md.
 
 Choices worth knowing (each one broke a real trainer somewhere):
 - Every log-prob (old, reference, new) and the entropy come from logits / tau in fp32: the sampler drew from
@@ -74,8 +61,7 @@ from gae import compute_gae_over_actions
 # ==============================================================================================
 # Flags: what to train on first, then in the order of the loop (docs/flags.md says more of each)
 # ==============================================================================================
-# an optional flag: None is off, or a default that depends on other flags; its help says which, so tyro's own
-# "(default: None)" is left out (it would say the default twice)
+# an optional flag: None is off or a default set by other flags, as its help says (so no tyro "(default: None)")
 def Opt(t, metavar=None):
     hint = lambda default: "" if default == "None" else f"(default: {default})"  # noqa: E731
     return Annotated[Optional[t], tyro.conf.arg(metavar=metavar, help_behavior_hint=hint)]
@@ -85,8 +71,7 @@ OptInt, OptFloat, OptStr = Opt(int, "INT"), Opt(float, "FLOAT"), Opt(str, "STR")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --precision and --sampler-precision's autocast dtypes
 
 
-# --rollout-correction: mode -> (veRL 0.9.1's setting it equals, default low and high bounds); the bounds are on
-# r = p_trainer / p_sampler for the IS modes, on 1 / r = p_sampler / p_trainer for the masks (as veRL's are)
+# --rollout-correction: mode -> (veRL 0.9.1's setting it equals, default low and high bounds of the mode's ratio)
 ROLLOUT_CORRECTIONS = {
     "token-is": ('rollout_is="token", a cap', None, 2.0),  # truncated IS (Yao et al. 2025; veRL decoupled_token_is)
     "seq-is": ('rollout_is="sequence", a cap', None, 2.0),  # one weight a response (veRL decoupled_seq_is)
@@ -123,7 +108,7 @@ class Args:
 
     # 1-2. rollout: prompts, sampling, the end of a response
     response_length: OptInt = None
-    """the most tokens per response, per turn with --env (None: 24; 40 with --model chain; guess's own)"""
+    """the most tokens a response, per turn with --env (None: 24; --model chain 40; guess's own)"""
     temperature: float = 0.7
     """sampling temperature tau; every log-prob is taken at it (N+)"""
     top_p: float = 1.0
@@ -149,7 +134,7 @@ class Args:
     truncate_prompts: bool = False
     """cut longer prompts to their last --max-prompt-length tokens (and count them) instead of refusing"""
     dataset_options: OptStr = None
-    """reasoning-gym:NAME's generator options as JSON, e.g. '{"max_terms": 2}' (None: the task's own)"""
+    """reasoning-gym:NAME's generator options as JSON: '{"max_terms": 2}' (None: the task's own)"""
     answer_format: Literal["tag", "raw", "number"] = "tag"
     """reasoning-gym:NAME: the answer in <answer> tags (its convention), the whole response, or its last number"""
 
@@ -163,7 +148,7 @@ class Args:
     bootstrap_truncated: bool = False
     """a response without EOS keeps the critic's value after the cut as its future (GAE; --missing-eos-penalty None)"""
     overlong_filter: bool = False
-    """responses without EOS leave the policy and value losses (DAPO's over-long filtering)"""
+    """responses without EOS leave the losses (DAPO's over-long filtering)"""
     overlong_buffer: OptInt = None
     """DAPO's soft over-length penalty: 0 at the limit less this many tokens, down to -1 at the limit (None = off)"""
 
@@ -201,9 +186,9 @@ class Args:
     dynamic_sampling: bool = False
     """grpo / rloo: drop the groups all right or all wrong and refill from new questions (DAPO)"""
     dynamic_sampling_rounds: int = 3
-    """the most refill rounds of --dynamic-sampling per update, a batch of prompts each"""
+    """most refill rounds of --dynamic-sampling per update, a batch of prompts each"""
     whiten_advantages: Opt(bool) = None
-    """mean 0, std 1 over the tokens in the loss (None: on for gae; off for grpo / rloo, centred per group)"""
+    """mean 0, std 1 over the loss's tokens (None: gae on; grpo / rloo off, centred per group)"""
     critic_init: Literal["auto", "reward", "policy", "scratch"] = "auto"
     """critic start (auto: the reward model, as InstructGPT and N+, where it shares the policy's tokenizer)"""
     critic_model: OptStr = None
@@ -217,7 +202,7 @@ class Args:
     num_minibatches: int = 1
     """optimizer steps per epoch, batch_size / num_minibatches rollouts each"""
     micro_batch_size: OptInt = None
-    """rollouts per forward and backward on one rank, memory only (None: a rank's whole minibatch)"""
+    """rollouts per forward and backward on a rank, memory only (None: a rank's whole minibatch)"""
     micro_batch_tokens: OptInt = None
     """instead: micro-batches of rows sorted by length, each at most this many padded tokens (veRL; None = off)"""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
@@ -227,7 +212,7 @@ class Args:
     clip_eps_high: OptFloat = None
     """asymmetric upper clip 1 + clip_eps_high (DAPO: 0.28; None: --clip-eps, or 4e-4 with gspo)"""
     dual_clip: OptFloat = None
-    """dual clip for negative advantages: the loss at most -c * A (Ye et al. 2020: c = 3; None = off)"""
+    """dual clip for A < 0: the loss at most -c * A (Ye et al. 2020: c = 3; None = off)"""
     cispo_cap: float = 5.0
     """cispo: the importance weight's upper bound, no lower one (ScaleRL, TRL: 5; veRL: clip_ratio_high = cap - 1)"""
     loss_agg: Opt(Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]) = None
@@ -243,11 +228,11 @@ class Args:
     critic_warmup_updates: int = 0
     """updates that train only the critic before the policy moves (VAPO's value pre-training)"""
     ptx_coef: float = 0.0
-    """PPO-ptx (InstructGPT): weight of a language-modelling loss on --ptx-dataset (0 = off)"""
+    """PPO-ptx (InstructGPT): weight of an LM loss on --ptx-dataset (0 = off)"""
     ptx_dataset: OptStr = None
-    """texts for PPO-ptx, a file with a `text` column (None: the toy world's SFT corpus, else none)"""
+    """PPO-ptx's texts, a file with a `text` column (None: the toy's SFT corpus, else none)"""
     fused_adamw: bool = True
-    """AdamW's fused kernel where torch has one for the parameters' device (else torch's default; the log says which)"""
+    """AdamW's fused kernel where torch has one for the device (else the unfused one; the log says which)"""
     max_grad_norm: float = 1.0
     """clip each model's gradient norm to this (0 = off)"""
     anneal_lr: bool = True
@@ -257,7 +242,7 @@ class Args:
     ratio_check_tol: OptFloat = None
     """the most mean |ratio - 1| on the first minibatch before any step (None: 1e-2; 5e-2 against the sampler)"""
     max_nonfinite_steps: int = 3
-    """stop after this many optimizer steps in a row skipped for a non-finite loss or gradient"""
+    """stop after this many steps in a row skipped for a non-finite loss or gradient"""
 
     # agents: multi-turn episodes
     env: OptStr = None
@@ -299,7 +284,7 @@ class Args:
     fp32_head: bool = False
     """the head's matmul in fp32 under autocast: the log-probs' largest rounding gone (docs/precision.md)"""
     logprob_chunk: int = 256
-    """the head on this many tokens at a time, no (b, T, V) logits kept (0 = all at once)"""
+    """the head on this many tokens at once: no (b, T, V) logits (0 = all at once)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward of policy and critic (less memory, about 30% slower)"""
     shard_frozen: bool = True
@@ -307,13 +292,13 @@ class Args:
     offload_frozen: bool = False
     """keep the reference and reward model on the CPU but for the no-grad passes"""
     trust_remote_code: bool = False
-    """let checkpoints run their own Python code (only for checkpoints you trust)"""
+    """let checkpoints run their own code (only for checkpoints you trust)"""
 
     # 10. logging, evaluation, checkpoints
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment: a copy ppo_idea.py logs under its own name"""
     track: bool = False
-    """mirror metrics and samples to Weights & Biases (WANDB_MODE=offline works offline)"""
+    """mirror metrics and samples to wandb (WANDB_MODE=offline works offline)"""
     wandb_project: str = "ppo-llm"
     """the wandb project"""
     sample_every: int = 10
@@ -325,7 +310,7 @@ class Args:
     eval_size: int = 256
     """the most evaluation prompts"""
     eval_samples: int = 1
-    """k responses per evaluation prompt: eval/pass@1 .. pass@k, unbiased (Chen et al. 2021)"""
+    """k samples per eval prompt: eval/pass@1 .. pass@k, unbiased (Chen et al. 2021)"""
     pass_threshold: float = 1.0
     """a response passes at this score or above (1.0: a verifiable reward's right)"""
     keep_best: OptStr = None
@@ -364,8 +349,7 @@ class Args:
         self.loss_agg = self.loss_agg or ("seq-mean-token-mean" if gspo else "token-mean")  # GSPO: one ratio a response
         if self.old_logprobs == "auto":  # the ratio is 1 by construction: nothing moves the policy before the
             on_policy = (self.num_ppo_epochs, self.num_minibatches, self.kl_coef) == (1, 1, 0)  # one step, and nothing
-            on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask)  # reads
-            # them before phase 7 (a reference's KL, a correction, the sampler's support)
+            on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask)  # reads them
             self.old_logprobs = "on-policy" if on_policy else "recompute"
         if self.ratio_check_tol is None:  # against the sampler, the gap of another engine or precision counts too
             self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else 5e-2
@@ -385,7 +369,6 @@ class Args:
 # ==============================================================================================
 
 # --- across ranks (torchrun): sums, themselves on one process ---------------------------------
-
 def global_sum(x):
     """Sum of a tensor over all ranks (itself on one process): N ranks run the algorithm of one."""
     if dist.is_initialized():
@@ -395,7 +378,6 @@ def global_sum(x):
 
 
 # --- phases 1-2: generate, cut after the first EOS; then agents' episodes, dynamic sampling ---
-
 def prompt_order(update, n_rows, args, rank, local_batch):
     """This rank's prompt rows of an update: each pass over the prompts in a fresh order seeded by (seed, pass)."""
     n_prompts = args.batch_size // args.group_size
@@ -597,14 +579,7 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
 
 
 # --- phase 3: log-probs, entropies and values in no-grad passes -------------------------------
-# One row, its response a_0 .. a_{L-1} (a_{L-1} the EOS) after the prompt's last token q, padded to T:
-#
-#   position        P-1    P      P+1    ...   P+L-1     P+L .. P+T-1
-#   input token     q      a_0    a_1    ...   a_{L-1}   padding (attention 0, mask 0)
-#   logit scores    a_0    a_1    a_2    ...   -         log-prob of a_t: the logits at position P-1+t
-#   critic output   V_0    V_1    V_2    ...   V_L       V_t: the value before a_t; V_L, after the EOS
-#   reward model                               score     read at the last real token; joins reward[L-1]
-
+# a row's positions (docs/code-notes.md draws them): the logits at P-1+t score a_t; V_t is the value before a_t
 
 def move(models, device):
     for model in models:
@@ -627,16 +602,14 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, suppor
     logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse  # (b, T)
     if not with_entropy:
         return logprobs, None
-    # H = lse - E[logit]; nan_to_num makes 0 x -inf = 0 outside the support
-    expected = (torch.softmax(logits, -1) * logits.nan_to_num(neginf=0.0)).sum(-1)  # (b, T)
+    expected = (torch.softmax(logits, -1) * logits.nan_to_num(neginf=0.0)).sum(-1)  # (b, T): E[logit], 0 x -inf = 0
     return logprobs, lse - expected  # (b, T) each
 
 
 def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None,
                     sampler_filter=None, chunk=0):
     """Log-probs and entropies (b, T) of the response tokens, and their support as (position, token) pairs, or None."""
-    if chunk > 0:  # the default (--logprob-chunk 256): the head on `chunk` tokens at a time (`chunked_logprobs`), the
-        # same numbers as below, gradients too (tests/test_oracles.py::test_chunked_head_equals_the_plain_path_...)
+    if chunk > 0:  # the default (--logprob-chunk 256): the head on `chunk` tokens at a time, the same numbers as below
         return chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep,
                                 sampler_filter)
     b, T = query_responses.shape[0], query_responses.shape[1] - P
@@ -655,7 +628,6 @@ def state_values(value_model, query_responses, attention_mask, P):
 
 class ValueModel(nn.Module):
     """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at one position)."""
-
     def __init__(self, seq_cls):
         super().__init__()
         self.seq_cls = seq_cls
@@ -670,19 +642,17 @@ class ValueModel(nn.Module):
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
                    sampler_filter=None, chunk=0, budget=None):
-    """Phase 3 but the score: old and reference log-probs, entropies, values (B, T), the next values (B,), support.
-    A model given as None is not run (--old-logprobs other than recompute; no reference at beta 0): zeros."""
+    """Phase 3 but the score: old and reference log-probs, entropies, values (B, T), the next values (B,), support."""
     B, T = mask.shape
     lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
     ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
     values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
-    kept_pos, kept_tok = [], []  # the sampler's support: (position in B*T, token id) pairs, not B x T x V booleans
+    kept_pos, kept_tok, keep = [], [], None  # the sampler's support: (position in B*T, token id) pairs, not B x T x V
     for rows in micro_batches(lengths, P, micro, budget):  # (b,) row indices each
         t = int(lengths[rows].max())
         qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
-        keep = None  # (the sampler's support, with --keep-sampling-mask)
-        if policy is not None:
+        if policy is not None:  # (skipped only where --keep-sampling-mask is off: `keep` stays None)
             logprobs[rows, :t], entropy[rows, :t], keep = policy_logprobs(
                 policy, qr, am, P, temperature, with_entropy=True, sampler_filter=sampler_filter, chunk=chunk)
         if sampler_filter is not None:  # kept for every later pass of this batch (old and new log-probs alike)
@@ -715,7 +685,6 @@ def score(models, args, rows, texts, query_responses, attention_mask, lengths, P
 
 
 # --- phase 4: KL and per-token rewards --------------------------------------------------------
-
 def kl_penalty(logprobs, ref_logprobs, estimator):
     """Per-token KL(pi || pi_ref) estimate from samples of pi (http://joschu.net/blog/kl-approx.html)."""
     log_r = ref_logprobs - logprobs  # (B, T): log(p_ref / p)
@@ -768,7 +737,6 @@ def adaptive_kl_coef(kl_coef, kl, args):
 
 
 # --- phases 5-6: group baselines and whitening (GAE is gae.py) --------------------------------
-
 # each estimator's needs: a critic; groups of G >= 2 samples; whitening by default (GRPO, RLOO, Dr. GRPO, veRL: no)
 ESTIMATORS = {"gae": dict(critic=True, groups=False, whiten=True),
               "grpo": dict(critic=False, groups=True, whiten=False),  # Shao et al. 2024
@@ -819,7 +787,6 @@ def masked_whiten(x, mask, shift_mean=True):
 
 
 # --- phases 7-8: the losses, a minibatch's backward, the health check, a step; then GSPO, CISPO ---
-
 @dataclass
 class Rollout:
     """One update's batch on this rank, what phases 1-6 made of it, fixed through phase 7's K epochs."""
@@ -886,10 +853,7 @@ def loss_weights(mask, lengths, mb_tokens, mb_seqs, mode, max_tokens):
 
 
 def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
-    """The sampler (vLLM, or HF in another precision) and the trainer give one token different probabilities, so
-    the samples are a little off the policy whose old log-probs PPO uses. Each mode equals veRL 0.9.1's
-    compute_rollout_correction_and_rejection_mask (ROLLOUT_CORRECTIONS). Returns the policy loss's weights, the
-    mask of the tokens left in the losses and where the correction acted, (B, T) each."""
+    """veRL 0.9.1's correction of the sampler-trainer gap: the policy loss's weights, the kept mask, where it acted."""
     # (B, T): log p_trainer / p_sampler, 0 off the agent's tokens; detached: weights change the measure, not the loss
     log_ratio = (logprobs - sampler_logprobs).detach() * mask
     if mode in ("token-is", "seq-is", "icepop"):  # importance weights, capped (TIS) or zeroed out of [low, high]
@@ -907,11 +871,8 @@ def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
     return torch.ones_like(mask), mask - out, out
 
 
-def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext(), scaler=None,
-                       first=True):
-    """Accumulate one minibatch's gradient over micro-batches, weights normalised over the minibatch (all ranks).
-    Without phase 3's policy pass (--old-logprobs), the first epoch's forward fills the rollout's entropies (and the
-    old log-probs, on-policy) and the health check compares it with the sampler's log-probs."""
+def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext(), scaler=None, first=True):
+    """Accumulate one minibatch's gradient over micro-batches, weights normalised over the minibatch (all ranks)."""
     fill = first and args.old_logprobs != "recompute"
     mask, lengths = rollout.kept if args.rollout_correction else rollout.mask, rollout.lengths  # (B, T), (B,)
     if args.overlong_filter:  # DAPO: truncated responses leave the losses and their normalisers
@@ -926,8 +887,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         t = int(lengths[idx].max())  # trim to the longest response of this micro-batch
         qr, am = rollout.query_responses[idx, :P + t], rollout.attention_mask[idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
-        # with --keep-sampling-mask, the rollout's support at these rows' first t positions
-        keep = kept_pairs(rollout.support, idx, t, mask.shape[1]) if args.keep_sampling_mask else None
+        keep = kept_pairs(rollout.support, idx, t, mask.shape[1]) if args.keep_sampling_mask else None  # their support
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature,
                                                            args.ent_coef > 0 or fill, keep, chunk=args.logprob_chunk)
@@ -1067,9 +1027,7 @@ def main(args: Args):
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
     half = "bf16" if args.precision == "auto" and device.type == "cuda" else args.precision
     amp = torch.autocast(device.type, dtype=HALF.get(half), enabled=half in HALF)  # around every forward (nanoGPT's)
-    # fp16: the loss scaled up so that small gradients survive fp16's range, down after an overflow (whose step is
-    # skipped); torch's GradScaler (Micikevicius et al. 2018), its state in every checkpoint
-    scaler = torch.amp.GradScaler(device.type) if half == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if half == "fp16" else None  # loss scaling (Micikevicius et al. 2018)
     kl_coef, first_update, best = args.kl_coef, 1, -math.inf  # the state the loop changes and checkpoints
     if resume_dir is not None:
         kl_coef, first_update, best = restore(resume_dir, trained, optimizers, schedulers, scaler, args.keep_best,
@@ -1080,7 +1038,6 @@ def main(args: Args):
     micro = args.micro_batch_size or mb_rows  # rows of one forward
     nonfinite_streak, stop = 0, False
     catch_stop_signals(run_name)  # SIGTERM (preemption) and Ctrl-C: finish the update, checkpoint it, stop
-
     log(f"run {run_name}: {num_updates} updates of {args.batch_size} rollouts on {world} rank(s) -> {run_dir}/")
     t_start = time.perf_counter()
     bar = tqdm(range(first_update, num_updates + 1), desc="ppo", unit="update", dynamic_ncols=True,  # (in a log,
@@ -1100,8 +1057,7 @@ def main(args: Args):
          turn_ends, texts, scores, score_parts) = batch  # (B, ...): see `Sampled`
         t_generate = time.perf_counter() - t0
 
-        # 3. no-grad passes: old and reference log-probs, values (the score came with the samples); the field skips
-        # the first where it can (--old-logprobs: phase 7's own forward fills them, or the sampler's serve)
+        # 3. no-grad passes: old (unless --old-logprobs skips them) and reference log-probs, values (score: in `sample`)
         move(models.swapped, device)
         with amp:
             logprobs, ref_logprobs, entropy, values, next_values, support = rollout_passes(
@@ -1244,14 +1200,12 @@ def main(args: Args):
 # ==============================================================================================
 
 # --- checks and errors ------------------------------------------------------------------------
-
 class UsageError(Exception):
     """Bad input: printed as one line (what is wrong, what to do) with exit status 2."""
 
 
 class Stopped(Exception):
     """Stopped by a signal: printed as one line (where the run stands, how to continue), exit status 128 + signal."""
-
     def __init__(self, code, msg):
         super().__init__(msg)
         self.code = code
@@ -1335,8 +1289,7 @@ def check_args(args, world):
         fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
     bf16_forwards = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available())
     if args.precision == "fp16" and world > 1:
-        fail("--precision fp16 under torchrun is not written (each rank would scale its loss by its own overflows): "
-             "use bf16")
+        fail("--precision fp16 under torchrun is not written (each rank would scale by its own overflows): use bf16")
     if args.lora_base_dtype == "bf16" and not (args.lora_rank and bf16_forwards and world == 1):
         fail("--lora-base-dtype bf16 needs --lora-rank, forwards in bf16 (--precision bf16) and one process (FSDP2 "
              "shards one dtype per layer): use --lora-base-dtype fp32")
@@ -1407,11 +1360,9 @@ def check_args(args, world):
         fail("--resume auto needs the --run-name of the run to continue")
     if args.old_logprobs == "on-policy" and ((args.num_ppo_epochs, args.num_minibatches, args.kl_coef) != (1, 1, 0)
                                              or args.unread_reference):
-        fail("--old-logprobs on-policy needs one epoch, one minibatch and --kl-coef 0 without --unread-reference (else "
-             "the policy moves before a step reads them, or the KL reads them first): use recompute or sampler")
+        fail("--old-logprobs on-policy needs 1 epoch, 1 minibatch, --kl-coef 0, no --unread-reference: use recompute")
     if args.old_logprobs != "recompute" and (args.keep_sampling_mask or args.rollout_correction):
-        fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction is not written "
-             "(both read the trainer's log-probs before phase 7): use --old-logprobs recompute")
+        fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction: not written yet")
     if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto"):
         fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm or --sampler-precision")
     if (args.rollout_correction_low or 0) > (args.rollout_correction_high or math.inf):
@@ -1422,7 +1373,6 @@ def check_args(args, world):
 
 
 # --- distributed ------------------------------------------------------------------------------
-
 def init_distributed():
     """Rank, world size and this rank's device; the process group under torchrun."""
     rank, world = 0, 1
@@ -1432,8 +1382,7 @@ def init_distributed():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     transformers.utils.logging.disable_progress_bar()  # one progress bar: ours
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-    return rank, world, device
+    return rank, world, torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
 
 
 def rank_and_world():
@@ -1490,7 +1439,6 @@ def teardown(llm, world):
 
 
 # --- models -----------------------------------------------------------------------------------
-
 @dataclass
 class Models:
     """The four models and what reads their inputs and outputs."""
@@ -1599,12 +1547,11 @@ def load_models(args, resume_dir, device, log):
         policy = add_lora(load_model(AutoModelForCausalLM, policy_path, "--model", args), args, "--model")
         if resume_dir:
             load_adapter(policy, os.path.join(resume_dir, "policy_adapter"))
-        ref_policy = AdaptersOff(policy)
+        ref_policy = None if no_reference(args) else AdaptersOff(policy)
     else:
         policy = load_model(AutoModelForCausalLM, start, "--model", args)
         ref_policy = None if no_reference(args) else load_model(AutoModelForCausalLM, args.ref_model or policy_path,
                                                                 "--ref-model", args)
-    ref_policy = None if no_reference(args) else ref_policy
     reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path,
                                                          "--reward-model", args))
     critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
@@ -1654,8 +1601,7 @@ def load_models(args, resume_dir, device, log):
 
 
 def adamw(params, lr, fused, name, log):
-    """torch's AdamW (eps 1e-5, N+), with its fused kernel, one kernel a step for all tensors (TRL's default optim),
-    where torch has one (CPU, CUDA, floating point; FSDP2's DTensors too), else torch's default; the log says which."""
+    """torch's AdamW (eps 1e-5, N+), with its fused kernel where torch has one (TRL's default optim); logged."""
     kernel = fused and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     log(f"{name}'s AdamW: " + ("fused" if kernel else "torch's default" + (", no fused kernel here" if fused else "")))
     return torch.optim.AdamW(params, lr=lr, eps=1e-5, fused=kernel or None)
@@ -1701,7 +1647,6 @@ def end_of_turn(tokenizer):
 
 # --- LoRA (peft) ------------------------------------------------------------------------------
 # Adapters go into the HF models in place; the base never changes: the reference is the policy, adapters off.
-
 def add_lora(model, args, flag, head=None):
     """Adapters (fp32, dropout 0) on --lora-targets of `model`, in place; its base frozen, `head` trained whole."""
     from peft import LoraConfig, inject_adapter_in_model
@@ -1732,8 +1677,7 @@ def add_lora(model, args, flag, head=None):
 
 
 def fp32_head(head):
-    """--fp32-head: the head's matmul outside autocast, on fp32 states (its weight is fp32 already; the chunked head
-    reads `head.fp32`). Every log-prob and HF's sampling logits come from it."""
+    """--fp32-head: the head's matmul outside autocast, on fp32 states (the chunked head reads `head.fp32`)."""
     forward, head.fp32 = head.forward, True
 
     def fp32_forward(hidden):
@@ -1785,7 +1729,6 @@ def merged(named, layers):
 
 class AdaptersOff(nn.Module):
     """The reference under LoRA: the policy with its adapters off (as TRL and veRL), held outside the module tree."""
-
     def __init__(self, policy):
         super().__init__()
         self.held, self.config = (policy,), policy.config
@@ -1840,8 +1783,7 @@ def shard_models(models, args, device, world):
             m.reward_model = m.reward_model and shard(m.reward_model, m.reward_model.seq_cls._no_split_modules or [],
                                                       args.offload_frozen)
     frozen = [x for x in (m.ref_policy, m.reward_model) if x and not isinstance(x, AdaptersOff)]  # never trained
-    # --offload-frozen: whole frozen models go to the device for phase 3 and back (sharded ones: FSDP2's offload)
-    m.swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []
+    m.swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []  # whole, for phase 3
     for model in frozen:
         model.requires_grad_(False)
     if args.gradient_checkpointing:  # HF recomputes only in training mode; dropout is off for good anyway
@@ -1856,7 +1798,6 @@ def own_rng(device):
 
 
 # --- prompts and rewards ----------------------------------------------------------------------
-
 def load_prompts(args, tokenizer, log, env=None):
     """Training and evaluation rows and their token ids, and the PPO-ptx texts' ids (empty without --ptx-coef)."""
     prompt_rows, eval_rows = load_prompt_rows(args, env, log)
@@ -1993,8 +1934,7 @@ def reasoning_gym_rows(args, spec):
     return [row(e) for e in train], [row(e) for e in held_out]
 
 
-# what the prompt asks for, by --answer-format (the reward reads the answer where it asked)
-ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>.",
+ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>.",  # --answer-format's instruction
                   "raw": "Reply with the final answer alone.", "number": "End with the final answer, a number."}
 
 
@@ -2107,7 +2047,6 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
 
 
 # --- environments (--env): multi-turn episodes --------------------------------------------------
-
 def load_env(spec):
     if spec.startswith("textarena/"):  # a game by its TextArena id, e.g. textarena/GuessTheNumber-v0
         return textarena_game(spec.split("/", 1)[1])
@@ -2209,8 +2148,7 @@ def first_observation(tokenizer, observation, args):
     """reset()'s observation as prompt ids, and the chat so far (None for raw text; a string is a user message)."""
     check_observation(observation, args, "reset() returned")
     if not tokenizer.chat_template and not isinstance(observation, str):
-        fail(f"--env {args.env}: reset() returned chat messages, but the tokenizer has no chat template: return "
-             "a string")
+        fail(f"--env {args.env}: reset() returned chat messages; the tokenizer has no chat template: return a string")
     chat = None
     if tokenizer.chat_template:
         chat = [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
@@ -2257,7 +2195,6 @@ def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, tu
 
 
 # --- a batch of samples in parts (--dynamic-sampling) -----------------------------------------
-
 def pick(batch, idx):
     """The rows `idx` (n,) of a Sampled."""
     def take(x):
@@ -2283,7 +2220,6 @@ def join(parts, pad_id):
 
 
 # --- memory: micro-batches, the policy head in chunks ----------------------------------------
-
 def micro_batches(lengths, P, rows, budget=None):
     """Each micro-batch's row indices: `rows` at a time, or packed by length to `budget` padded tokens (veRL's)."""
     order = torch.arange(len(lengths), device=lengths.device)  # (B,)
@@ -2364,7 +2300,6 @@ def head_logits(hidden, weight, bias, temperature, softcap=None):
 
 class HeadLogprobs(torch.autograd.Function):
     """`head_chunk` with its backward written out: the states are kept, not the (n, V) logits (docs/memory.md)."""
-
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature, with_entropy, softcap, keep_pos, keep_tok):
         keep = None if keep_pos is None else (keep_pos, keep_tok)
@@ -2450,10 +2385,7 @@ def chunked_head_works(model, device):
 
 
 class SampledLogprobs(transformers.LogitsProcessor):
-    """Log p of each sampled token under softmax(logits / tau), as HF samples it: each step's (B, V) log-softmax is
-    held until the next step shows the token drawn from it, so no (B, T, V) logits are kept. HF calls its own
-    processors first (none: a clean generation config), this one, then the temperature warper: raw fp32 logits."""
-
+    """Log p of each sampled token under softmax(logits / tau), as HF samples it, one step's (B, V) kept at a time."""
     def __init__(self, temperature):
         self.temperature, self.last, self.taken = temperature, None, []
 
@@ -2468,8 +2400,7 @@ class SampledLogprobs(transformers.LogitsProcessor):
 
 
 # --- vLLM rollouts ----------------------------------------------------------------------------
-# An engine in this process samples; the trainer's own log-probs stay PPO's old ones (docs/vllm.md).
-
+# An engine in this process samples; PPO's old log-probs stay the trainer's unless --old-logprobs (docs/vllm.md).
 def start_vllm(args, models, device):
     """The engine, built from the initial checkpoint, fed the current weights (--resume); None without --vllm."""
     if not args.vllm:
@@ -2538,8 +2469,7 @@ def push_weights(llm, model, wake=False):
     if wake:
         torch.cuda.empty_cache()  # the engine allocates outside torch's cache
         llm.wake_up(tags=["weights"])
-    # parameters, not the state dict: engines that tie the head have no lm_head.weight (Gemma2)
-    weights = ((k, v.detach().full_tensor() if isinstance(v, DTensor) else v.detach())
+    weights = ((k, v.detach().full_tensor() if isinstance(v, DTensor) else v.detach())  # not the state dict (Gemma2)
                for k, v in model.named_parameters())
     if lora_layers(model):  # LoRA: W + scale * B A per tensor, as the engine reads it (merged serving is faster
         weights = merged(weights, lora_layers(model))  # than serving adapters: TRL #7017, 1.33-1.39x per token)
@@ -2559,7 +2489,6 @@ def repack_cpu_kernels(model):
 
 
 # --- evaluation and logging -------------------------------------------------------------------
-
 def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef, lr, times,
                 score_parts, gold, tokenizer):
     """Phase 10: the update's metrics under the N+ / TRL names (docs/metrics.md's table), on this rank."""
@@ -2567,8 +2496,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
     scores, non_score_reward, returns = rollout.scores, rollout.non_score_reward, rollout.returns
     stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
     n = max(stats["tokens"], 1)  # (0 when --overlong-filter dropped every response: nothing was trained)
-    var_returns = masked_var(returns, mask)
-    explained_variance = 1 - masked_var(returns - rollout.values, mask) / var_returns.clamp(min=1e-8)
+    explained_variance = 1 - masked_var(returns - rollout.values, mask) / masked_var(returns, mask).clamp(min=1e-8)
     row = {"step": update, "episode": update * args.batch_size, "objective/scores": scores.mean().item(),
            **({} if no_reference(args) else {  # (beta 0: no reference was run, so no KL to report)
                "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
@@ -2753,8 +2681,7 @@ def run_summary(args, run_dir, seconds):
     out = [f"done in {seconds:.0f} s: {name} {rows[0][key]:.2f} at update {rows[0]['step']}, {np.mean(last):.2f} "
            f"over the last {len(last)} (of {rows[-1]['step']})"]
     if no_reference(args):
-        out.append("  no KL metrics: at --kl-coef 0 nothing reads the reference, so none was loaded or run "
-                   "(--unread-reference runs it)")
+        out.append("  no KL metrics: at --kl-coef 0 no reference was loaded or run (--unread-reference runs it)")
     for path, what in (("metrics.jsonl", "one row per update (docs/metrics.md explains them)"),
                        ("samples.jsonl", "prompts, responses and their scores, every --sample-every updates"),
                        ("eval_samples.jsonl", "the evaluation's responses"), ("policy", "the trained policy"),
@@ -2777,7 +2704,6 @@ def close_run(args, metrics_file, run_dir):
 
 
 # --- checkpoints and resume -------------------------------------------------------------------
-
 def save_models(path, models, as_stored=False, adapters_only=False):
     """Policy (with its tokenizer) and critic, gathered by every rank, written by rank 0: fp32, or `as_stored`."""
     policy, critic = models.policy, models.critic
@@ -2888,8 +2814,7 @@ def choose_checkpoint(args, run_dir, log):
                 return path
             log(f"warning: {path} is damaged ({damage}); trying the checkpoint before it")
         if checkpoints:
-            fail(f"no whole checkpoint in {run_dir}/checkpoints/ (all {len(checkpoints)} are damaged): "
-                 "start a new --run-name")
+            fail(f"no whole checkpoint in {run_dir}/checkpoints (all {len(checkpoints)} damaged): use a new --run-name")
         log("--resume auto: no checkpoint yet, starting fresh")
         return None
     damage = checkpoint_damage(args.resume)

