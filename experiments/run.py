@@ -1,6 +1,6 @@
 """The experiments behind the docs' claims, on the toy world, on a CPU in minutes.
 
-    python experiments/run.py            # the three toy ones; or name some: kl clip critic smollm2
+    python experiments/run.py            # the three toy ones; or name some: kl clip toycritic smollm2
     python experiments/run.py lengthbias chaincritic budget truncation   # the chain world's four (chain.py)
     python experiments/run.py firstwrong  # after chaincritic: does its critic see a slip coming
     python experiments/run.py guess       # the multi-turn world (guess.py), three seeds
@@ -8,12 +8,13 @@
     python experiments/run.py objectives dynamic klloss rgym rgymarms rgymquick   # issue 30's (chain; SmolLM2)
     python experiments/run.py rgymagain  # issue 38: the SmolLM2 runs again, on evaluation questions held out
     python experiments/run.py trl trlspeed   # issue 42: beside TRL's GRPOTrainer (.venv-trl, docs/trl.md); trlquick
+    python experiments/run.py critic      # issue 53: the critic against GRPO and RLOO on equal terms; criticquick
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
 2. clip: clip fraction per PPO epoch for K = 1, 4, 8 epochs: later epochs clip more, as the
    policy drifts from the one that sampled the batch.
-3. critic: GAE with lambda 0.95 and 0, and the critic-free GRPO baseline (4 samples per prompt),
+3. toycritic: GAE with lambda 0.95 and 0, and the critic-free GRPO baseline (4 samples per prompt),
    as gold against wall-clock seconds.
 4. smollm2: a real pretrained chat model, SmolLM2-135M-Instruct (smollm2.py, offline), on the sums task,
    three seeds: the score and the response length per update, seconds per update and peak memory.
@@ -49,6 +50,9 @@
 26. issue 52, less model work per update: trlspeed now measures ppo.py's new defaults, --old-logprobs sampler and
    the path before issue 52 (by flags) at TRL's settings and at beta 0, beside TRL (results.json's trlspeed52,
    issue 42's trlspeed kept); trl52: ppo.py's GRPO arm of trl again with the new defaults, 3 seeds.
+27-28. issue 53, the critic's case on equal terms (docs/critic.md): critic: GRPO 4x4 and 16x4, PPO with the critic
+   16x1 and 4x4, RLOO 4x4, 3 seeds, on gcd, letter_counting and the guess world, each policy scored by its task's
+   one evaluator on held-out questions, recorded as it ends (resumable); criticquick: all of it at 2 updates.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
@@ -673,7 +677,7 @@ def clip_fraction():
     return out
 
 
-def critic_ablation():
+def toy_critic():
     out, fig = {}, plt.figure(figsize=(5, 3.6))
     for name, flags in (("gae_lam0.95", []), ("gae_lam0", ["--lam", "0"]),
                         ("grpo_g4", ["--adv-estimator", "grpo", "--group-size", "4"])):
@@ -684,7 +688,7 @@ def critic_ablation():
         out[name] = {"seconds": float(t[-1]), "gold_final10": float(gold[-10:].mean()), "seconds_to_gold_0.8": reach}
         plt.plot(t, gold, label=name, lw=1)
     plt.xlabel("training seconds (phases 1-7)"), plt.ylabel("gold"), plt.legend(), plt.tight_layout()
-    fig.savefig(os.path.join(HERE, "critic.png"), dpi=80)
+    fig.savefig(os.path.join(HERE, "toycritic.png"), dpi=80)
     return out
 
 
@@ -940,15 +944,16 @@ TRL_PYTHON = os.path.join(ROOT, ".venv-trl", "bin", "python")  # TRL's own envir
 TRL_ARMS = ("ppo_grpo", "trl_grpo", "ppo_gae")
 
 
-def trl_task(updates, seed, eval_size=128):
+def trl_task(updates, seed, eval_size=128, task="gcd", model=None):
     """Issue 42's task and settings, as experiments/trl_grpo.py reads them: SmolLM2 on gcd up to 20 (400 questions;
-    --eval-size 128 of them never trained on), the answer as the last number, trl_grpo.py's defaults otherwise."""
+    --eval-size 128 of them never trained on), the answer as the last number, trl_grpo.py's defaults otherwise
+    (`task`: another of RGYM_SCREEN's, at its options there; `model`: another path than SmolLM2's, built once)."""
     sys.path.insert(0, HERE), sys.path.insert(0, ROOT)
     import smollm2
     import trl_grpo
-    model, _ = smollm2.build(os.path.join(ROOT, smollm2.ROOT))
+    model = model or smollm2.build(os.path.join(ROOT, smollm2.ROOT))[0]
     return trl_grpo, trl_grpo.parser().parse_args([
-        "--model", model, "--dataset", "reasoning-gym:gcd", "--dataset-options", json.dumps({"max_value": 20}),
+        "--model", model, "--dataset", f"reasoning-gym:{task}", "--dataset-options", json.dumps(RGYM_SCREEN[task]),
         "--answer-format", "number", "--eval-size", str(eval_size), "--updates", str(updates), "--seed", str(seed),
         "--out", ""])
 
@@ -1177,10 +1182,174 @@ def lora_smollm2():
     return out
 
 
+# --- issue 53: the critic's case on equal terms (docs/critic.md) ---
+CRITIC_ARMS = {  # arm: (--adv-estimator, questions an update, samples of each question); the guess world's x4
+    "grpo_4x4": ("grpo", 4, 4),  # (a) GRPO at docs/trl.md's shape
+    "grpo_16x4": ("grpo", 16, 4),  # (b) the questions of (c), each 4 times: four times the sampled tokens
+    "gae_16x1": ("gae", 16, 1),  # (c) PPO with the critic, docs/trl.md's arm
+    "gae_4x4": ("gae", 4, 4),  # (d) the prompts of (a): only the critic differs
+    "rloo_4x4": ("rloo", 4, 4)}  # (e) another group baseline at (a)'s shape
+# the second reasoning task, chosen before any run of this experiment: of the screen's tasks other than gcd (issue
+# 30, 64 questions, results.json's rgym), three fall in 0.05-0.4 right: chain_sum 0.17, basic_arithmetic 0.20 and
+# letter_counting 0.11; the first two are arithmetic as gcd is, so letter_counting, a task of another kind
+CRITIC_TASKS = ("gcd", "letter_counting", "guess")
+GUESS_HELD_OUT = (3, 6, 11, 14)  # the guess world's evaluation secrets, never trained on (one in each quarter)
+
+
+def critic_guess_data(n=2048, eval_rows=32):
+    """The guess world's rows as a dataset folder (train.jsonl, test.jsonl: --eval-split test): training secrets
+    drawn from the 12 numbers not in GUESS_HELD_OUT, evaluation rows cycling through those four."""
+    sys.path.insert(0, ROOT)
+    import guess
+    folder = os.path.join(ROOT, "runs", "critic_guess_rows")
+    os.makedirs(folder, exist_ok=True)
+    trained = [k for k in range(guess.LO, guess.HI + 1) if k not in GUESS_HELD_OUT]
+    rng = np.random.default_rng(53)
+    for split, secrets in (("train", rng.choice(trained, n)), ("test", np.resize(GUESS_HELD_OUT, eval_rows))):
+        path, text = os.path.join(folder, f"{split}.jsonl"), "".join(
+            json.dumps({"lo": guess.LO, "hi": guess.HI, "secret": int(k)}) + "\n" for k in secrets)
+        if not os.path.exists(path) or open(path).read() != text:  # (runs in flight read it: rewritten only if changed, at once)
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+    return folder
+
+
+def critic_flags(task, arm, seed, updates, eval_size, model=None):
+    """One arm's ppo.py flags on a task. The reasoning tasks at docs/trl.md's settings (trl_grpo.ppo_flags: beta 0.04,
+    k3 in the loss, 2 minibatches, lr 2e-5), their evaluation questions held out by text; the guess world at its own
+    defaults (GAE's lambda, beta, lr 3e-4) with 4x the episodes, its evaluation secrets held out. `model`: another
+    policy (the evaluator's), else the task's untrained one."""
+    estimator, questions, samples = CRITIC_ARMS[arm]
+    if task != "guess":
+        trl_grpo, a = trl_task(updates, seed, eval_size, task, model)
+        flags = ["--model", a.model, *trl_grpo.ppo_flags(a)]
+        return override(flags, adv_estimator=estimator, group_size=str(samples), batch_size=str(questions * samples),
+                        total_episodes=str(questions * samples * updates))
+    sys.path.insert(0, ROOT)
+    import guess
+    model = model or guess.build_world(os.path.join(ROOT, "runs", "guess"))[0]
+    batch = 4 * questions * samples  # (its default batch, 64, at (a)'s shape)
+    return ["--model", model, "--env", guess.ENV, "--max-turns", str(guess.MAX_TURNS), "--response-length",
+            str(guess.RESPONSE_LENGTH), "--dataset", critic_guess_data(), "--eval-split", "test", "--eval-size",
+            str(eval_size), "--seed", str(seed), "--adv-estimator", estimator, "--group-size", str(samples),
+            "--batch-size", str(batch), "--total-episodes", str(batch * updates)]
+
+
+def critic_evaluate(task, policy, name, eval_size, env):
+    """The one evaluator of a task: ppo.py on the policy at learning rate 1e-12 (no weight moves by a visible
+    amount), after one update, on the held-out questions with 4 samples each, seed 1 for every policy."""
+    flags = critic_flags(task, "grpo_4x4", 1, 1, eval_size, policy)
+    flags = override(flags, learning_rate="1e-12") if "--learning-rate" in flags else [*flags, "--learning-rate", "1e-12"]
+    shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+    out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, *flags, "--eval-every", "1", "--eval-samples",
+                          "4", "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        sys.exit(f"{name} failed: {out.stderr[-2000:]}")
+    row = rows_of(name)[-1]
+    shutil.rmtree(os.path.join(ROOT, "runs", name))
+    return {k[5:]: round(v, 4) for k, v in row.items() if k.startswith("eval/")}
+
+
+def critic_runs(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS), seeds=(1, 2, 3), updates=None,
+                eval_size=128, parallel=2):
+    """Issue 53: every (task, arm, seed), two runs at a time on one thread each, each run's policy scored by its
+    task's one evaluator as soon as it ends and recorded in results.json[key] with its rows; a run recorded is not
+    run again, a run cut short resumes from its newest checkpoint (every 5 updates). The untrained models are
+    scored first. 25 updates on the reasoning tasks (docs/trl.md's), the guess world's default 100."""
+    from concurrent.futures import ThreadPoolExecutor
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    done = json.load(open(os.path.join(HERE, "results.json"))).get(key, {})
+    steps = {task: updates or (100 if task == "guess" else 25) for task in tasks}
+
+    def job(task, arm, seed):
+        name = f"exp_{key}_{task}_{arm}_s{seed}"
+        if arm == "base":  # (the untrained model: critic_flags' --model)
+            untrained = critic_flags(task, "grpo_4x4", 1, 1, eval_size)[1]
+            return trl_record(key, f"base_{task}", critic_evaluate(task, untrained, f"{name}_eval", eval_size, env))
+        resume = os.path.isdir(os.path.join(ROOT, "runs", name, "checkpoints"))
+        if not resume:
+            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, *critic_flags(task, arm, seed, steps[task],
+                              eval_size), "--sample-every", "0", "--save-every", "5",
+                              *(["--resume", "auto"] if resume else [])], cwd=ROOT, env=env, capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            sys.exit(f"{name} failed: {out.stderr[-2000:]}")
+        rows, policy = trl_update_rows("ppo", name), os.path.join(ROOT, "runs", name, "policy")
+        record = {"rows": rows, "wall_s": time.perf_counter() - t0, "resumed": resume,
+                  "eval": critic_evaluate(task, policy, f"{name}_eval", eval_size, env)}
+        print(name, record["eval"], f"{record['wall_s']:.0f} s", flush=True)
+        trl_record(key, name, record)
+
+    jobs = [(task, "base", 0) for task in tasks if f"base_{task}" not in done]
+    jobs += [(task, arm, seed) for task in sorted(tasks, key=lambda t: t != "guess") for seed in seeds for arm in arms
+             if f"exp_{key}_{task}_{arm}_s{seed}" not in done]  # the guess world first: minutes, not hours
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(lambda j: job(*j), jobs))
+    return critic_summary(key, tasks, arms, seeds)
+
+
+def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS), seeds=(1, 2, 3)):
+    """Per task: each arm's held-out pass@1 and pass@4 (after, and the gain over the untrained model: mean and sd
+    over the seeds recorded), sampled tokens, seconds and peak RSS; experiments/critic_<task>.png: the training
+    score against sampled tokens and against seconds (seed bands), and the held-out pass@1 and pass@4 after."""
+    record, out = json.load(open(os.path.join(HERE, "results.json")))[key], {}
+    for task in tasks:
+        if f"base_{task}" not in record:
+            continue
+        base, fig, axes = record[f"base_{task}"], *plt.subplots(1, 3, figsize=(14, 3.4))
+        out[task] = {"base": base}
+        for i, arm in enumerate(arms):
+            runs = [record[n] for n in (f"exp_{key}_{task}_{arm}_s{s}" for s in seeds) if n in record]
+            if not runs:
+                continue
+            after = {k: [r["eval"][k] for r in runs] for k in ("pass@1", "pass@4")}
+            gain = {k: [v - base[k] for v in after[k]] for k in after}
+            sd = lambda v: round(float(np.std(v, ddof=1)), 4) if len(v) > 1 else None  # noqa: E731
+            out[task][arm] = {"seeds": len(runs), **{f"{k}_after": v for k, v in after.items()},
+                              **{f"gain_{k}_mean": round(float(np.mean(v)), 4) for k, v in gain.items()},
+                              **{f"gain_{k}_sd": sd(v) for k, v in gain.items()},
+                              "sampled_tokens": [sum(u["tokens"] for u in r["rows"]) for r in runs],
+                              "median_s_per_update": [round(float(np.median([u["s"] for u in r["rows"][1:]])), 2)
+                                                      for r in runs],
+                              "wall_s": [round(r["wall_s"]) for r in runs],
+                              "peak_gb": [round(max(u["peak_mb"] for u in r["rows"]) / 1000, 2) for r in runs]}
+            n = min(len(r["rows"]) for r in runs)
+            score = np.array([[u["score"] for u in r["rows"][:n]] for r in runs])
+            for ax, x in zip(axes, ("tokens", "s")):
+                spread_plot(ax, np.mean([np.cumsum([u[x] for u in r["rows"][:n]]) for r in runs], 0)
+                            / (1000 if x == "tokens" else 60), score, arm)
+            for j, k in enumerate(("pass@1", "pass@4")):
+                v = after[k]
+                axes[2].errorbar([i + 0.15 * j], [np.mean(v)], yerr=[[np.mean(v) - min(v)], [max(v) - np.mean(v)]],
+                                 fmt="o" if j == 0 else "s", color=f"C{i}", capsize=3, label=k if i == 0 else None)
+            print(task, arm, out[task][arm], flush=True)
+        for j, k in enumerate(("pass@1", "pass@4")):
+            axes[2].axhline(base[k], color="gray", ls="--" if j == 0 else ":", lw=1)
+        axes[0].set_xlabel("sampled tokens (thousands)"), axes[1].set_xlabel("training minutes (one thread)")
+        for ax in axes[:2]:
+            ax.set_title(f"{task}: training score per update (band: seeds' range)", fontsize=9)
+        axes[0].legend(fontsize=7), axes[2].legend(fontsize=7), axes[2].set_xticks(range(len(arms)), arms, fontsize=7)
+        axes[2].set_title("held-out pass@1 (o) and pass@4 (s) after; lines: untrained", fontsize=9)
+        fig.tight_layout(), fig.savefig(os.path.join(HERE, f"critic_{task}.png"), dpi=80), plt.close(fig)
+    return out
+
+
+def critic_quick():
+    """Issue 53's check that everything runs, in 15 minutes: each task's untrained score and every arm, seed 1,
+    2 updates, 8 held-out questions (its own record, critic_quick_runs; no result)."""
+    t0 = time.perf_counter()
+    out = critic_runs("critic_quick_runs", seeds=(1,), updates=2, eval_size=8)
+    return {"summary": out, "minutes": (time.perf_counter() - t0) / 60}
+
+
 if __name__ == "__main__":
-    chosen = sys.argv[1:] or ["kl", "clip", "critic"]
+    chosen = sys.argv[1:] or ["kl", "clip", "toycritic"]
     path = os.path.join(HERE, "results.json")
-    for name, fn in (("kl", kl_ablation), ("clip", clip_fraction), ("critic", critic_ablation),
+    for name, fn in (("kl", kl_ablation), ("clip", clip_fraction), ("toycritic", toy_critic),
                      ("smollm2", smollm2_curve), ("lengthbias", length_bias), ("chaincritic", chain_critic),
                      ("budget", budget), ("truncation", truncation), ("firstwrong", first_wrong_step),
                      ("guess", guess_world), ("guessbudget", guess_budget), ("guesscut", guess_cut),
@@ -1188,7 +1357,8 @@ if __name__ == "__main__":
                      ("lora", lora_smollm2), ("objectives", objectives), ("dynamic", dynamic),
                      ("klloss", kl_in_loss), ("rgym", rgym), ("rgymarms", rgym_arms),
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
-                     ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults)):
+                     ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
+                     ("critic", critic_runs), ("criticquick", critic_quick)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)

@@ -308,6 +308,31 @@ def test_the_trl_baseline_passes_the_settings_its_table_states():
     assert args.missing_eos_penalty == a.missing_eos_penalty
 
 
+def test_the_critic_experiment_evaluates_every_arm_on_questions_no_arm_trains_on():
+    """experiments/run.py critic (issue 53): on each of its three tasks, every arm's training rows and the evaluator's
+    rows are read through ppo.py's own loading, and no evaluation question (the guess world's: its secret) is one
+    that any arm trains on; each arm samples as many tokens per update as its shape says."""
+    import importlib.util
+    import tyro
+    import ppo
+    spec = importlib.util.spec_from_file_location("run", "experiments/run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    for task in run.CRITIC_TASKS:
+        evaluator = tyro.cli(ppo.Args, args=run.critic_flags(task, "grpo_4x4", 1, 1, 128, model="M"))
+        evaluator.fill_defaults(1)
+        env = ppo.load_python(evaluator.env, "--env") if evaluator.env else None
+        asked = {ppo.question(r) for r in ppo.load_prompt_rows(evaluator, env)[1]}
+        assert len(asked) == (len(run.GUESS_HELD_OUT) if task == "guess" else 128), task
+        for arm, (estimator, questions, samples) in run.CRITIC_ARMS.items():
+            args = tyro.cli(ppo.Args, args=run.critic_flags(task, arm, 2, 25, 128, model="M"))
+            args.fill_defaults(1)
+            trained = {ppo.question(r) for r in ppo.load_prompt_rows(args, env)[0]}
+            assert len(trained) >= 16 - len(run.GUESS_HELD_OUT) and not trained & asked, (task, arm)
+            assert (args.adv_estimator, args.batch_size // args.group_size, args.group_size) == (
+                estimator, questions * (4 if task == "guess" else 1), samples)
+
+
 @pytest.mark.fast
 def test_no_flag_prints_its_default_twice():
     """An optional flag's help says what None does, so tyro's own "(default: None)" is left out; a flag with another
