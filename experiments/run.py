@@ -1314,6 +1314,8 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
             out[task][arm] = {"seeds": len(runs), **{f"{k}_after": v for k, v in after.items()},
                               **{f"gain_{k}_mean": round(float(np.mean(v)), 4) for k, v in gain.items()},
                               **{f"gain_{k}_sd": sd(v) for k, v in gain.items()},
+                              "score_last5": [round(float(np.mean([u["score"] for u in r["rows"][-5:]])), 3)
+                                              for r in runs],
                               "sampled_tokens": [sum(u["tokens"] for u in r["rows"]) for r in runs],
                               "median_s_per_update": [round(float(np.median([u["s"] for u in r["rows"][1:]])), 2)
                                                       for r in runs],
@@ -1338,6 +1340,28 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
         axes[2].set_title("held-out pass@1 (o) and pass@4 (s) after; lines: untrained", fontsize=9)
         fig.tight_layout(), fig.savefig(os.path.join(HERE, f"critic_{task}.png"), dpi=80), plt.close(fig)
     return out
+
+
+def critic_table(summary):
+    """docs/critic.md's tables from critic_summary's output: one markdown table per task."""
+    fmt = lambda v: ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
+    pm = lambda m, sd: f"{m:+.3f}" + (f" ± {sd:.3f}" if sd is not None else "")  # noqa: E731
+    lines = []
+    for task, arms in summary.items():
+        base = arms["base"]
+        lines += [f"**{task}**: untrained pass@1 {base['pass@1']:.3f}, pass@4 {base['pass@4']:.3f}", "",
+                  "| arm | seeds | pass@1 after | gain in pass@1 | pass@4 after | gain in pass@4 | training score, "
+                  "last 5 | sampled tokens | s an update | peak RSS |", "|---|---:|---|---:|---|---:|---|---:|---:|---:|"]
+        for arm, a in arms.items():
+            if arm != "base":
+                lines.append(f"| {arm} | {a['seeds']} | {fmt(a['pass@1_after'])} | "
+                             f"{pm(a['gain_pass@1_mean'], a['gain_pass@1_sd'])} | {fmt(a['pass@4_after'])} | "
+                             f"{pm(a['gain_pass@4_mean'], a['gain_pass@4_sd'])} | {fmt(a['score_last5'])} | "
+                             f"{min(a['sampled_tokens']) / 1000:.0f}-{max(a['sampled_tokens']) / 1000:.0f}K | "
+                             f"{min(a['median_s_per_update']):.1f}-{max(a['median_s_per_update']):.1f} | "
+                             f"{max(a['peak_gb']):.1f} GB |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def critic_quick():
