@@ -52,7 +52,8 @@
    issue 42's trlspeed kept); trl52: ppo.py's GRPO arm of trl again with the new defaults, 3 seeds.
 27-28. issue 53, the critic's case on equal terms (docs/critic.md): critic: GRPO 4x4 and 16x4, PPO with the critic
    16x1 and 4x4, RLOO 4x4, 3 seeds, on gcd, basic_arithmetic and the guess world, each policy scored by its task's
-   one evaluator on held-out questions, recorded as it ends (resumable); criticquick: all of it at 2 updates.
+   one evaluator on held-out questions, recorded as it ends (resumable); criticquick: all of it at 2 updates;
+   criticside: the guess world's GRPO arm with the KL in the loss, and without the group's std.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
@@ -1342,6 +1343,23 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
     return out
 
 
+def critic_side(seeds=(1, 2, 3)):
+    """Issue 53, to read GRPO's row on the guess world: arm (a) again with the KL in the loss (k3), and without the
+    division by the group's std; each run scored by the task's evaluator, recorded in results.json's critic_side."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for variant, extra in (("klloss", ["--kl-in-loss", "--kl-estimator", "k3"]), ("nostd", ["--no-group-std"])):
+        for seed in seeds:
+            name = f"exp_critic_side_guess_grpo_4x4_{variant}_s{seed}"
+            subprocess.run([sys.executable, "ppo.py", "--run-name", name, *critic_flags("guess", "grpo_4x4", seed, 100,
+                            128), *extra, "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, check=True,
+                           capture_output=True)
+            rows = trl_update_rows("ppo", name)
+            scored = critic_evaluate("guess", os.path.join(ROOT, "runs", name, "policy"), f"{name}_eval", 128, env)
+            trl_record("critic_side", name, {"train_last10": round(float(np.mean([u["score"] for u in rows[-10:]])), 3),
+                                             "pass@1": scored["pass@1"], "pass@4": scored["pass@4"]})
+    return json.load(open(os.path.join(HERE, "results.json")))["critic_side"]
+
+
 def critic_table(summary):
     """docs/critic.md's tables from critic_summary's output: one markdown table per task."""
     fmt = lambda v: ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
@@ -1384,7 +1402,7 @@ if __name__ == "__main__":
                      ("klloss", kl_in_loss), ("rgym", rgym), ("rgymarms", rgym_arms),
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
-                     ("critic", critic_runs), ("criticquick", critic_quick)):
+                     ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
