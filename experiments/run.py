@@ -990,13 +990,22 @@ def trl_evaluate(policy, name, trl_grpo, a, env):
     """The one evaluator: ppo.py on the policy at learning rate 1e-12 (no weight moves), its --eval-size held-out
     questions x 4 samples after one update, seed 1 for every policy; pass@1, pass@4 and the mean score."""
     flags = override(trl_grpo.ppo_flags(a), learning_rate="1e-12", total_episodes=str(a.batch_size), seed="1")
+    scored = score_policy(["--model", policy, *flags], name, env)
+    return {k: scored[k] for k in ("pass@1", "pass@4", "reward_fn")}
+
+
+def score_policy(flags, name, env):
+    """One evaluation run of ppo.py with these flags (a learning rate of 1e-12 among them): --eval-samples 4 after
+    one update; its eval/ metrics, rounded to 4 decimals, and the run's folder removed (its policy is the one given)."""
     shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-    subprocess.run([sys.executable, "ppo.py", "--run-name", name, "--model", policy, *flags, "--eval-every", "1",
-                    "--eval-samples", "4", "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, *flags, "--eval-every", "1", "--eval-samples",
+                          "4", "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        sys.exit(f"{name} failed: {out.stderr[-2000:]}")
     row = rows_of(name)[-1]
-    shutil.rmtree(os.path.join(ROOT, "runs", name))  # (its policy is the one it was given)
-    return {k: round(row[f"eval/{k}"], 4) for k in ("pass@1", "pass@4", "reward_fn")}
+    shutil.rmtree(os.path.join(ROOT, "runs", name))
+    return {k[5:]: round(v, 4) for k, v in row.items() if k.startswith("eval/")}
 
 
 def trl_record(key, name, value):
@@ -1211,7 +1220,7 @@ def critic_guess_data(n=2048, eval_rows=32):
     for split, secrets in (("train", rng.choice(trained, n)), ("test", np.resize(GUESS_HELD_OUT, eval_rows))):
         path, text = os.path.join(folder, f"{split}.jsonl"), "".join(
             json.dumps({"lo": guess.LO, "hi": guess.HI, "secret": int(k)}) + "\n" for k in secrets)
-        if not os.path.exists(path) or open(path).read() != text:  # (runs in flight read it: rewritten only if changed, at once)
+        if not os.path.exists(path) or open(path).read() != text:  # (runs in flight read it: replaced, at once)
             with open(path + ".tmp", "w") as f:
                 f.write(text)
             os.replace(path + ".tmp", path)
@@ -1243,16 +1252,9 @@ def critic_evaluate(task, policy, name, eval_size, env):
     """The one evaluator of a task: ppo.py on the policy at learning rate 1e-12 (no weight moves by a visible
     amount), after one update, on the held-out questions with 4 samples each, seed 1 for every policy."""
     flags = critic_flags(task, "grpo_4x4", 1, 1, eval_size, policy)
-    flags = override(flags, learning_rate="1e-12") if "--learning-rate" in flags else [*flags, "--learning-rate", "1e-12"]
-    shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-    out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, *flags, "--eval-every", "1", "--eval-samples",
-                          "4", "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
-    if out.returncode != 0:
-        sys.exit(f"{name} failed: {out.stderr[-2000:]}")
-    row = rows_of(name)[-1]
-    shutil.rmtree(os.path.join(ROOT, "runs", name))
-    return {k[5:]: round(v, 4) for k, v in row.items() if k.startswith("eval/")}
+    flags = override(flags, learning_rate="1e-12") if "--learning-rate" in flags else [*flags, "--learning-rate",
+                                                                                       "1e-12"]
+    return score_policy(flags, name, env)
 
 
 def critic_runs(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS), seeds=(1, 2, 3), updates=None,
@@ -1369,7 +1371,8 @@ def critic_table(summary):
         base = arms["base"]
         lines += [f"**{task}**: untrained pass@1 {base['pass@1']:.3f}, pass@4 {base['pass@4']:.3f}", "",
                   "| arm | seeds | pass@1 after | gain in pass@1 | pass@4 after | gain in pass@4 | training score, "
-                  "last 5 | sampled tokens | s an update | peak RSS |", "|---|---:|---|---:|---|---:|---|---:|---:|---:|"]
+                  "last 5 | sampled tokens | s an update | peak RSS |",
+                  "|---|---:|---|---:|---|---:|---|---:|---:|---:|"]
         for arm, a in arms.items():
             if arm != "base":
                 lines.append(f"| {arm} | {a['seeds']} | {fmt(a['pass@1_after'])} | "
