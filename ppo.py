@@ -34,6 +34,7 @@ import importlib
 import json
 import math
 import os
+import queue
 import random
 import re
 import resource
@@ -55,6 +56,7 @@ import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 
+import adapters  # glue to the optional libraries: reasoning-gym's tasks, TextArena's games, peft's files
 from gae import compute_gae_over_actions
 
 
@@ -79,6 +81,7 @@ ROLLOUT_CORRECTIONS = {
     "token-mask": ('rollout_rs="token_k1"', 1 / 3, 3.0),  # TRL GRPO's cap 3.0; veRL's lower bound: its reciprocal
     "seq-mask": ('rollout_rs="seq_sum_k1"', 1 / 3, 3.0),  # TRL GRPO's default (sequence_mask, cap 3.0)
     "geo-mask": ('rollout_rs="seq_mean_k1"', 0.999, 1.001),  # geometric mean (veRL decoupled_geo_rs)
+    "decoupled": ("none: AReaL's behav_imp_weight_cap", 0.0, 5.0),  # Fu et al. 2025: weights above 5 zeroed
 }
 
 
@@ -271,6 +274,8 @@ class Args:
     """share of the GPU's memory for the vLLM engine (weights and KV cache)"""
     vllm_sleep: bool = True
     """free the engine's weights and KV cache during the PPO epochs (GPU only)"""
+    async_steps: Literal[0, 1] = 0
+    """1: a second process samples the next batch while this one trains, on weights one update older (docs/async.md)"""
     sampler_precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """the sampler's forwards (auto: vLLM bf16 on a GPU, fp32 on a CPU; HF as --precision, its log-probs not kept)"""
     rollout_correction: Opt(Literal[tuple(ROLLOUT_CORRECTIONS)]) = None
@@ -335,7 +340,7 @@ class Args:
         if self.model == "chain" and self.reward_model is None and self.reward_fn is None:
             self.reward_fn = "chain:reward"  # the chain world's verifiable reward
         if (self.dataset or "").startswith("reasoning-gym:") and self.reward_model is None and self.reward_fn is None:
-            self.reward_fn = "reasoning-gym"  # the task's own score_answer (`reasoning_gym_reward`, in this file)
+            self.reward_fn = "reasoning-gym"  # the task's own score_answer (`reasoning_gym_reward`, adapters.py)
         self.max_turns = self.max_turns or 1
         if self.max_episode_tokens is None:  # the turns, and room for an observation between two
             self.max_episode_tokens = self.max_turns * self.response_length + (self.max_turns - 1) * 64
@@ -347,6 +352,8 @@ class Args:
         if self.clip_eps is None and self.policy_loss != "cispo":  # (cispo clips the weight, at --cispo-cap)
             self.clip_eps = 3e-4 if gspo else 0.2
         self.loss_agg = self.loss_agg or ("seq-mean-token-mean" if gspo else "token-mean")  # GSPO: one ratio a response
+        if self.async_steps and self.rollout_correction is None and self.old_logprobs != "sampler":
+            self.rollout_correction = "decoupled"  # AReaL's decoupled PPO: tokens weighted proximal / behaviour, capped
         if self.old_logprobs == "auto":  # the ratio is 1 by construction: nothing moves the policy before the
             on_policy = (self.num_ppo_epochs, self.num_minibatches, self.kl_coef) == (1, 1, 0)  # one step, and nothing
             on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask)  # reads them
@@ -445,17 +452,14 @@ class Sampled(NamedTuple):
     score_parts: dict  # each weighted component's (B,)
 
 
-def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False):
-    """Phases 1-2 on prompt rows `idx` (with --env: episodes of these rows and `seeds`), then the score, no_grad."""
+def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False, drawn=None):
+    """Phases 1-2 on prompt rows `idx` (--env: episodes of them, `seeds`; `drawn`: --async-steps'), then the score."""
     policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
     rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
-    sampler = None if args.vllm else torch.autocast(  # HF in another precision (vLLM: its own), its log-probs kept
-        device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)
-    if args.sampler_precision == "auto" and not args.vllm:  # HF in --precision: kept where the update reads them
-        sampler = contextlib.nullcontext() if args.old_logprobs != "recompute" else None
+    sampler = sampler_autocast(args, device)
     with amp:
-        if models.env is None:
-            qr, am, lengths, has_eos, mask, P, engine_logprobs = generate(
+        if models.env is None:  # (--async-steps: drawn already)
+            qr, am, lengths, has_eos, mask, P, engine_logprobs = drawn or generate(
                 policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm, sampler)
         else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
             qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends = play(
@@ -467,6 +471,14 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
     move(models.swapped, "cpu")
     return Sampled(rows, qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends, texts, scores,
                    parts)
+
+
+def sampler_autocast(args, device):
+    """The HF sampler's autocast, in which `generate` keeps its log-probs; None: not kept, as no update reads them."""
+    if args.vllm or (args.sampler_precision == "auto" and args.old_logprobs == "recompute" and not args.async_steps):
+        return None  # (vLLM: its own precision, its log-probs always kept)
+    return contextlib.nullcontext() if args.sampler_precision == "auto" else torch.autocast(  # (auto: --precision)
+        device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)
 
 
 def env_seeds(args, update, rank, n, refill=0):
@@ -856,7 +868,7 @@ def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
     """veRL 0.9.1's correction of the sampler-trainer gap: the policy loss's weights, the kept mask, where it acted."""
     # (B, T): log p_trainer / p_sampler, 0 off the agent's tokens; detached: weights change the measure, not the loss
     log_ratio = (logprobs - sampler_logprobs).detach() * mask
-    if mode in ("token-is", "seq-is", "icepop"):  # importance weights, capped (TIS) or zeroed out of [low, high]
+    if mode in ("token-is", "seq-is", "icepop", "decoupled"):  # IS weights, capped (TIS) or zeroed out of [low, high]
         if mode == "seq-is":  # one weight a response: the product of its tokens' ratios
             log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1)
         raw = torch.exp(log_ratio.clamp(-20, 20)) * mask  # (B, T): veRL bounds the log-ratio at +-20
@@ -1025,13 +1037,11 @@ def main(args: Args):
                   for m, name in zip(trained, rates)]  # (LoRA: the adapters and the value head alone)
     decay = (lambda u: 1.0 - u / num_updates) if args.anneal_lr else (lambda u: 1.0)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, decay) for opt in optimizers]
-    half = "bf16" if args.precision == "auto" and device.type == "cuda" else args.precision
-    amp = torch.autocast(device.type, dtype=HALF.get(half), enabled=half in HALF)  # around every forward (nanoGPT's)
-    scaler = torch.amp.GradScaler(device.type) if half == "fp16" else None  # loss scaling (Micikevicius et al. 2018)
-    kl_coef, first_update, best = args.kl_coef, 1, -math.inf  # the state the loop changes and checkpoints
-    if resume_dir is not None:
-        kl_coef, first_update, best = restore(resume_dir, trained, optimizers, schedulers, scaler, args.keep_best,
-                                              device)
+    amp = forward_autocast(args, device)  # around every forward (nanoGPT's)
+    scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None  # (Micikevicius et al. 2018)
+    kl_coef, first_update, best, drawn = (args.kl_coef, 1, -math.inf, None) if resume_dir is None else restore(
+        resume_dir, trained, optimizers, schedulers, scaler, args.keep_best, device)  # the state the loop changes
+    sampler = Sampler(policy, tokenizer, args, device, drawn) if args.async_steps else None  # (see inside)
     metrics_file = open_run(args, run_name, run_dir, first_update)  # rank 0's metrics.jsonl, else None
     sampler_filter = (args.top_k, args.top_p) if args.keep_sampling_mask else None
     mb_rows = local_batch // args.num_minibatches  # rows of one minibatch on this rank
@@ -1047,8 +1057,9 @@ def main(args: Args):
         # 1. sample prompts (each pass over the prompt set in a fresh order) and generate (--env: play episodes);
         # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`); and the score
         batch_idx = prompt_order(update, len(prompt_rows), args, rank, local_batch)  # (B,)
+        drawn = sampler and sampler.take(update, policy, prompt_ids, last=update == num_updates)  # --async-steps
         batch = sample(models, args, prompt_rows, prompt_ids, batch_idx, env_seeds(args, update, rank, local_batch),
-                       micro, amp, device, llm)
+                       micro, amp, device, llm, drawn=drawn)
         sampling = {}  # --dynamic-sampling's metrics
         if args.dynamic_sampling:  # DAPO: a group whose samples all scored the same has no signal; refill (see inside)
             batch, sampling = dynamic_sampling(batch, update, models, args, prompt_rows, prompt_ids, micro, amp,
@@ -1153,7 +1164,8 @@ def main(args: Args):
         # 10. log, save
         t_log = time.perf_counter()
         times = {"time/rollout_s": t_rollout, "time/push_s": t_push, "time/generate_s": t_generate,
-                 "time/update_s": t_update, "time/cpu_s": time.process_time() - cpu0}
+                 "time/update_s": t_update, "time/cpu_s": time.process_time() - cpu0,
+                 **({"time/sampler_s": sampler.seconds} if sampler else {})}  # (generate_s: the wait for it)
         row = metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef,
                           schedulers[0].get_last_lr()[0], times, score_parts, models.gold, tokenizer)
         row.update(sampling)  # --dynamic-sampling: its time/generated_tokens counts every round's
@@ -1181,7 +1193,8 @@ def main(args: Args):
             write_logs(args, run_dir, metrics_file, bar, row, samples, eval_samples)
         stop = global_max(float(bool(STOP_SIGNALS)), device) > 0  # SIGTERM or Ctrl-C on any rank: all stop here
         if (args.save_every and update % args.save_every == 0) or stop:
-            save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scaler, kl_coef, best, device)
+            save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scaler, kl_coef, best, device,
+                            sampler and sampler.wait())  # --async-steps: the batch drawn ahead is saved too
         if stop:
             break
 
@@ -1190,7 +1203,7 @@ def main(args: Args):
         if rank == 0:
             log(run_summary(args, run_dir, time.perf_counter() - t_start))
     close_run(args, metrics_file, run_dir)
-    teardown(llm, world)
+    teardown(llm, world, sampler)
     if stop:
         raise stopped(update, run_name, run_dir)
 
@@ -1311,9 +1324,9 @@ def check_args(args, world):
             ("positive", lambda x: x > 0, "max_turns max_episode_tokens "
              "total_episodes batch_size num_minibatches num_ppo_epochs group_size micro_batch_size micro_batch_tokens "
              "eval_size eval_samples kl_horizon target_kl kl_target lam_alpha value_clip_eps clip_eps_high "
-             "keep_checkpoints max_nonfinite_steps ratio_check_tol rollout_correction_low rollout_correction_high"),
+             "keep_checkpoints max_nonfinite_steps ratio_check_tol rollout_correction_high"),
             (">= 0", lambda x: x >= 0, "kl_coef vf_coef ent_coef ptx_coef max_grad_norm critic_warmup_updates top_k "
-             "sample_every eval_every save_every dynamic_sampling_rounds"),
+             "sample_every eval_every save_every dynamic_sampling_rounds rollout_correction_low"),
             ("finite", math.isfinite, "kl_coef kl_target pass_threshold missing_eos_penalty "
              "reward_model_weight reward_fn_weight"),
             ("in [0, 1]", lambda x: 0 <= x <= 1, "gamma lam critic_lam"),
@@ -1363,8 +1376,13 @@ def check_args(args, world):
         fail("--old-logprobs on-policy needs 1 epoch, 1 minibatch, --kl-coef 0, no --unread-reference: use recompute")
     if args.old_logprobs != "recompute" and (args.keep_sampling_mask or args.rollout_correction):
         fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction: not written yet")
-    if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto"):
-        fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm or --sampler-precision")
+    if args.async_steps and (world > 1 or env or args.vllm or args.dynamic_sampling or args.lora_rank
+                             or args.keep_sampling_mask):
+        fail("--async-steps 1 with torchrun, --env, --vllm, --dynamic-sampling, --lora-rank or --keep-sampling-mask "
+             "is not written yet: drop one")
+    if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto" or args.async_steps):
+        fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm, --sampler-precision or "
+             "--async-steps 1")
     if (args.rollout_correction_low or 0) > (args.rollout_correction_high or math.inf):
         fail("--rollout-correction-low must be at most --rollout-correction-high")
     if args.ptx_coef > 0 and args.ptx_dataset is None and args.model not in WORLDS:
@@ -1429,7 +1447,9 @@ def reduce_row(row, device):
     return row
 
 
-def teardown(llm, world):
+def teardown(llm, world, sampler=None):
+    if sampler is not None:
+        sampler.close()
     if world > 1:  # no rank leaves while another works (a rank that did aborted at exit on CI: FSDP2 with gloo)
         dist.barrier()
     if llm is not None:  # the engine's teardown also destroys torch.distributed's default group
@@ -1701,32 +1721,6 @@ def lora_layers(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def merged(named, layers):
-    """(name, tensor) pairs of an adapted model as a plain checkpoint's: W + scale * B A in fp32 under W's name."""
-    waiting = {}  # adapted layer -> the parts of W + scale * B A seen so far
-    for name, value in named:
-        owner, base, leaf = name.partition(".base_layer.")
-        adapter = re.fullmatch(r"(.+)\.lora_([AB])\.default\.weight", name)
-        if base and owner in layers and leaf == "weight" or adapter and adapter[1] in layers:
-            owner, part = (owner, "W") if base else (adapter[1], adapter[2])
-            parts = waiting.setdefault(owner, {})
-            parts[part] = value
-            if len(parts) == 3:
-                del waiting[owner]
-                W, B, A = parts["W"], parts["B"], parts["A"]
-                delta = B.float() @ A.float()  # (out, in)
-                if layers[owner].fan_in_fan_out:  # GPT-2's Conv1D stores its weight as (in, out)
-                    delta = delta.T
-                # in fp32 whatever W is stored in: on a bf16 W, a small update (|dW| / |W| = 1e-3) rounds mostly away
-                yield f"{owner}.weight", W.float() + layers[owner].scaling["default"] * delta
-        elif base and owner in layers:
-            yield f"{owner}.{leaf}", value  # the bias
-        elif ".lora_" not in name:
-            yield name, value
-    if waiting:
-        raise RuntimeError(f"merged: no W, A and B for {sorted(waiting)[:3]}")
-
-
 class AdaptersOff(nn.Module):
     """The reference under LoRA: the policy with its adapters off (as TRL and veRL), held outside the module tree."""
     def __init__(self, policy):
@@ -1745,19 +1739,6 @@ class AdaptersOff(nn.Module):
 
     def get_output_embeddings(self):
         return self.held[0].get_output_embeddings()
-
-
-def save_adapter(model, path, base_path, head=None, state=None):
-    """The adapters (and a trained head) of `state` (default: the model's) in peft's format, as PeftModel loads them."""
-    from safetensors.torch import save_file
-    state = {"base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous()
-             for k, v in (state or model.state_dict()).items() if ".lora_" in k or (head and k.startswith(head + "."))}
-    os.makedirs(path, exist_ok=True)
-    save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(model.peft_config["default"])  # (what inject_adapter_in_model resolved)
-    config.base_model_name_or_path, config.task_type = base_path, "SEQ_CLS" if head else "CAUSAL_LM"
-    config.modules_to_save = [head] if head else None
-    config.save_pretrained(path)
 
 
 def load_adapter(model, path):
@@ -1850,7 +1831,10 @@ def load_prompt_rows(args, env=None, log=print):
             return train, candidates[:args.eval_size]
         return generated_split(train, candidates, args, log)
     if args.dataset.startswith("reasoning-gym:"):
-        return generated_split(*reasoning_gym_rows(args, args.dataset), args, log)
+        try:  # (adapters.py: the generator's rows, the prompt as one user message, the entry for the reward)
+            return generated_split(*adapters.reasoning_gym_rows(args, args.dataset), args, log)
+        except ValueError as e:
+            fail(str(e))
     import datasets
     ext = os.path.splitext(args.dataset)[1]
     local = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(ext)
@@ -1907,50 +1891,6 @@ def generated_split(train, candidates, args, log):
     return train, held
 
 
-def reasoning_gym_rows(args, spec):
-    """--dataset reasoning-gym:NAME: training rows and evaluation candidates, generated here, with their entries."""
-    try:
-        import reasoning_gym
-    except ImportError:
-        fail("--dataset reasoning-gym:... needs the reasoning-gym package: pip install reasoning-gym")
-    name = spec.split(":", 1)[1]
-    try:
-        options = json.loads(args.dataset_options or "{}")
-        assert isinstance(options, dict), "not a JSON object"
-    except (ValueError, AssertionError) as e:
-        fail(f"--dataset-options {args.dataset_options!r} is not a JSON object of the generator's options ({e})")
-    size, seed = options.pop("size", 2048), options.pop("seed", 1234)
-    try:  # item i comes from Random(seed + i): the evaluation's candidates from the seeds after training's
-        train, held_out = (reasoning_gym.create_dataset(name, size=n, seed=s, **options)
-                           for n, s in ((size, seed), (2 * args.eval_size, seed + size)))
-    except Exception as e:  # an unknown task, an option it does not take: one line
-        fail(f"--dataset {spec!r} with options {options} cannot be generated ({type(e).__name__}: {reason(e)}); "
-             "the tasks: python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))'")
-    ask = ANSWER_FORMATS[args.answer_format]
-
-    def row(e):  # the prompt as one user message; the entry (question, answer, metadata) for the reward
-        return {"prompt": [{"role": "user", "content": f"{e['question']}\n\n{ask}"}], "answer": e["answer"],
-                "task": name, "entry": e, "answer_format": args.answer_format}
-    return [row(e) for e in train], [row(e) for e in held_out]
-
-
-ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>.",  # --answer-format's instruction
-                  "raw": "Reply with the final answer alone.", "number": "End with the final answer, a number."}
-
-
-def reasoning_gym_reward(prompts, responses, task, entry, answer_format, **columns):
-    """reasoning-gym:NAME's default reward: the task's own score_answer on the answer where --answer-format put it."""
-    import reasoning_gym
-    from reasoning_gym.utils import extract_answer
-    score_answer = reasoning_gym.get_score_answer_fn(task[0])
-    # a number, its thousands separated by commas or not: "1,024" is 1024 (and "12,18" two numbers)
-    numbers = [[n.replace(",", "") for n in re.findall(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?", r)]
-               for r in responses]
-    answers = [extract_answer(r) if f == "tag" else r.strip() if f == "raw" else (n[-1] if n else None)
-               for r, f, n in zip(responses, answer_format, numbers)]
-    return [0.0 if a is None else float(score_answer(a, e)) for a, e in zip(answers, entry)]
-
-
 def check_prompt(prompt, tokenizer, where):
     """A prompt is a string, or a non-empty list of {"role": str, "content": str} rendered by a chat template."""
     if isinstance(prompt, str):
@@ -1986,8 +1926,8 @@ def render_for_rm(rm_tokenizer, prompt, response):
 
 def load_python(spec, flag):
     """`FILE.py:NAME` or `module:NAME` -> the object (--reward-fn's function, --env's class)."""
-    if spec == "reasoning-gym":  # this file's own reward, by no module name (a fork renames the file)
-        return reasoning_gym_reward
+    if spec == "reasoning-gym":  # the task's own score_answer (adapters.py)
+        return adapters.reasoning_gym_reward
     import importlib.util
     path, _, name = spec.rpartition(":")
     try:
@@ -2049,63 +1989,15 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
 # --- environments (--env): multi-turn episodes --------------------------------------------------
 def load_env(spec):
     if spec.startswith("textarena/"):  # a game by its TextArena id, e.g. textarena/GuessTheNumber-v0
-        return textarena_game(spec.split("/", 1)[1])
+        try:
+            return adapters.textarena_game(spec.split("/", 1)[1])
+        except ValueError as e:
+            fail(f"--env {spec}: {e}")
     env = load_python(spec, "--env")
     if not (isinstance(env, type) and callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         what = "a class without them" if isinstance(env, type) else f"a {type(env).__name__}"
         fail(f"--env {spec!r} must be a class with reset(row, seed) and step(action_text): it is {what}")
     return env
-
-
-def textarena_game(game):
-    """A single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class (docs/agents.md)."""
-    try:
-        import textarena as ta
-    except ImportError:
-        fail("--env textarena/...: needs the textarena package: pip install textarena")
-    try:
-        ta.make(game)
-    except ValueError as e:  # not in its registry
-        fail(f"--env textarena/{game}: {reason(e)} (give a single-player game id such as GuessTheNumber-v0)")
-    except LookupError as e:  # a corpus the game reads (nltk's, for Wordle and Hangman) is not on this machine
-        fail(f"--env textarena/{game}: the game needs a corpus this machine lacks: "
-             + next((line.strip() for line in str(e).splitlines() if "not found" in line), reason(e))
-             + " (nltk.download() it where there is a network, or pick another game)")
-    except SyntaxError as e:  # (Klondike-v0 in textarena 0.7.4)
-        fail(f"--env textarena/{game}: TextArena's own code for it does not compile ({e.msg} in {e.filename}, line "
-             f"{e.lineno}): pick another game")
-    except Exception as e:
-        fail(f"--env textarena/{game}: the game cannot be made ({type(e).__name__}: {reason(e)})")
-
-    class Game:
-        @staticmethod
-        def rows(n, seed):
-            return [{"game": game} for _ in range(n)]
-
-        def reset(self, row, seed):
-            self.env = ta.make(game)
-            self.env.reset(num_players=1, seed=seed)
-            self.log = self.env
-            while not hasattr(self.log, "full_observations"):  # the wrapper that keeps the messages in order
-                self.log = self.log.env
-            self.seen = 0
-            return self.news()
-
-        def news(self):
-            self.env.get_observation()  # (files the new messages in the wrapper's log)
-            log = self.log.full_observations.get(0, [])  # (sender, message, kind), the agent's moves too
-            new, self.seen = log[self.seen:], len(log)
-            return "\n".join(f"[GAME] {message}" for sender, message, kind in new  # (some games log the echo of
-                             if kind != ta.ObservationType.PLAYER_ACTION)  # a move as their own: TowerOfHanoi)
-
-        def step(self, action_text):
-            done, _ = self.env.step(action_text)
-            if done:
-                rewards, _ = self.env.close()
-                return None, float((rewards or {}).get(0, 0.0)), True
-            return self.news(), 0.0, False
-    Game.__name__ = Game.__qualname__ = game
-    return Game
 
 
 def env_call(args, turn, method, *a):
@@ -2472,12 +2364,99 @@ def push_weights(llm, model, wake=False):
     weights = ((k, v.detach().full_tensor() if isinstance(v, DTensor) else v.detach())  # not the state dict (Gemma2)
                for k, v in model.named_parameters())
     if lora_layers(model):  # LoRA: W + scale * B A per tensor, as the engine reads it (merged serving is faster
-        weights = merged(weights, lora_layers(model))  # than serving adapters: TRL #7017, 1.33-1.39x per token)
+        weights = adapters.merged(weights, lora_layers(model))  # than serving adapters: TRL #7017, 1.33-1.39x a token)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # the one call into vLLM internals
     if not torch.cuda.is_available():
         llm.apply_model(repack_cpu_kernels)
     if wake:
         llm.wake_up(tags=["kv_cache"])
+
+
+# --- --async-steps: generation beside training ---------------------------------------------
+class Sampler:
+    """A second process draws update u+1's batch with the weights after update u-1 while update u trains (AReaL's
+    one-step staleness). It reads the weights from shared memory: one copy, written only while it waits for a job,
+    so it never sees half an update. Batches come back through a queue; `ready` is one drawn ahead (a checkpoint's)."""
+    def __init__(self, policy, tokenizer, args, device, ready=None):
+        spawn = torch.multiprocessing.get_context("spawn")  # (a fork of a process whose OpenMP threads ran can hang)
+        self.weights = copy.deepcopy(policy).share_memory()  # (not frozen: a frozen copy rounds otherwise)
+        self.jobs, self.results, self.asked, self.ready, self.args, self.device, self.seconds = (
+            spawn.Queue(), spawn.Queue(), None, ready, args, device, 0.0)
+        cores = torch.get_num_threads()  # on a CPU the cores are split: half each
+        torch.set_num_threads(max(1, cores - cores // 2))
+        self.process = spawn.Process(target=sampler_process, daemon=True, args=(
+            self.weights, tokenizer, args, device, max(1, cores // 2), os.getpid(), self.jobs, self.results))
+        self.process.start()
+
+    def ask(self, update, policy, prompt_ids):
+        with torch.no_grad():  # the sampler waits for a job now: the copy is whole before it reads
+            for mine, new in zip(self.weights.parameters(), policy.parameters()):
+                mine.copy_(new)
+        self.jobs.put((update, prompt_ids))
+        self.asked = update
+
+    def wait(self):
+        """The batch in flight, once drawn: (update, `generate`'s tensors on the CPU), or None when none is."""
+        while self.asked is not None:
+            try:
+                update, drawn, self.seconds = self.results.get(timeout=1)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    fail(f"the sampler process died (exit code {self.process.exitcode}) drawing update "
+                         f"{self.asked}'s batch; the checkpoints written are whole: --resume auto continues")
+                continue
+            if isinstance(drawn, str):
+                fail(f"the sampler process failed drawing update {update}'s batch: {drawn}")
+            self.ready, self.asked = (update, drawn), None
+        return self.ready
+
+    def take(self, update, policy, prompt_ids, last):
+        """Update `update`'s batch on the trainer's device; then the next is asked of the weights now in `policy`."""
+        args = self.args  # (one process: rank 0, the whole batch)
+        prompts_of = lambda u: [prompt_ids[i] for i in prompt_order(u, len(prompt_ids), args, 0, args.batch_size)]
+        if self.ready is None and self.asked is None:  # a run's first update: drawn now, by the first weights
+            self.ask(update, policy, prompts_of(update))
+        (drawn_update, drawn), self.ready = self.wait(), None
+        assert drawn_update == update, f"update {update} was given the batch of update {drawn_update}"
+        if not last:
+            self.ask(update + 1, policy, prompts_of(update + 1))
+        return [x.to(self.device) if torch.is_tensor(x) else x for x in drawn]
+
+    def close(self):
+        self.jobs.put(None)  # (it ends by itself too, within a second of this process)
+
+
+def sampler_process(policy, tokenizer, args, device, threads, trainer, jobs, results):
+    """The sampler's loop: phase 1 for each (update, prompt ids) asked, on a random stream keyed by (seed, update)."""
+    torch.set_num_threads(threads)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the run, checkpoint and all; this ends after
+        signal.signal(sig, signal.SIG_IGN)
+    while os.getppid() == trainer:  # (a trainer killed by SIGKILL leaves no orphan)
+        try:
+            job = jobs.get(timeout=1)
+        except queue.Empty:
+            continue
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            drawn = draw(policy, tokenizer, job[1], args, job[0], device)
+            results.put((job[0], [x.cpu() if torch.is_tensor(x) else x for x in drawn], time.perf_counter() - t0))
+        except Exception as e:  # (sent back: the trainer names it in one line)
+            results.put((job[0], f"{type(e).__name__}: {e}", 0.0))
+
+
+def draw(policy, tokenizer, prompt_ids, args, update, device):
+    """--async-steps' phase 1 (`generate`), on a random stream keyed by (seed, update): the same in any process."""
+    with own_rng(device), forward_autocast(args, device):
+        torch.manual_seed(int(np.random.SeedSequence([args.seed, update, 0, 1]).generate_state(1)[0]))
+        return generate(policy, tokenizer, prompt_ids, device, sampler=sampler_autocast(args, device))
+
+
+def forward_autocast(args, device):
+    """--precision's autocast, around every forward: auto is bf16 on a GPU, fp32 on a CPU."""
+    half = "bf16" if args.precision == "auto" and device.type == "cuda" else args.precision
+    return torch.autocast(device.type, dtype=HALF.get(half), enabled=half in HALF)
 
 
 def repack_cpu_kernels(model):
@@ -2717,11 +2696,11 @@ def save_models(path, models, as_stored=False, adapters_only=False):
             if model is None:
                 continue
             if lora_layers(model):  # LoRA: the adapters in peft's format (what resume reads), and W + scale * B A
-                save_adapter(model, os.path.join(path, f"{name}_adapter"), base, "score" if name == "critic" else None,
-                             state)  # (under FSDP2: the gathered state; the model holds shards)
+                adapters.save_adapter(model, os.path.join(path, f"{name}_adapter"), base,
+                                      "score" if name == "critic" else None, state)  # (FSDP2: the gathered state)
                 if adapters_only:
                     continue
-                state = dict(merged((state or model.state_dict()).items(), lora_layers(model)))
+                state = dict(adapters.merged((state or model.state_dict()).items(), lora_layers(model)))
                 dtype = torch.float32  # W + s B A: cast to a bf16 checkpoint's dtype, the update would round away
             save_in_dtype(model, os.path.join(path, name), state, dtype)
         models.shipped_generation_config.save_pretrained(os.path.join(path, "policy"))  # not the run's sampler
@@ -2741,7 +2720,7 @@ def save_in_dtype(model, path, state, dtype):
     model.config.dtype = fp32
 
 
-def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scaler, kl_coef, best, device):
+def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scaler, kl_coef, best, device, drawn=None):
     """Write step_<update>/ aside, then rename it into place (a kill leaves every other whole); keep the newest few."""
     rank, world = rank_and_world()
     ckpt_root = os.path.join(run_dir, "checkpoints")
@@ -2760,7 +2739,7 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scale
         save_models(tmp, models, adapters_only=True)  # gathered by all ranks, written by rank 0
         if rank == 0:
             torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
-                            schedulers=[sch.state_dict() for sch in schedulers],
+                            schedulers=[sch.state_dict() for sch in schedulers], drawn=drawn,
                             scaler=scaler.state_dict() if scaler else None), os.path.join(tmp, "state.pt"))
             write_json(os.path.join(tmp, "flags.json"), asdict(args))  # what resume compares
             write_json(os.path.join(tmp, "manifest.json"), file_digests(tmp))  # last: what resume verifies
@@ -2921,7 +2900,8 @@ def check_same_flags(args, ckpt):
 
 
 def restore(resume_dir, trained, optimizers, schedulers, scaler, keep_best, device):
-    """Optimizers, schedulers and this rank's random state; returns the KL coefficient, the next update, the best."""
+    """Optimizers, schedulers and this rank's random state; returns the KL coefficient, the next update, the best
+    and --async-steps' batch drawn ahead."""
     rank, world = rank_and_world()
     state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)  # every rank reads it
     if len(state["rngs"]) != world:
@@ -2940,7 +2920,7 @@ def restore(resume_dir, trained, optimizers, schedulers, scaler, keep_best, devi
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"], device)
-    return state["kl_coef"], state["step"] + 1, best
+    return state["kl_coef"], state["step"] + 1, best, state.get("drawn")
 
 
 def optimizer_state(model, opt, load=None):

@@ -439,7 +439,7 @@ def rgym_screen(model, n=64):
         for fmt in FORMATS:
             args = ppo.Args(dataset=f"reasoning-gym:{task}", dataset_options=json.dumps({**options, "size": n}),
                             answer_format=fmt)
-            rows = ppo.reasoning_gym_rows(args, args.dataset)[0]  # the generator's first n rows
+            rows = ppo.adapters.reasoning_gym_rows(args, args.dataset)[0]  # the generator's first n rows
             ids = [ppo.render_prompt(tok, r["prompt"]) for r in rows]
             torch.manual_seed(0)
             with torch.no_grad():
@@ -448,7 +448,7 @@ def rgym_screen(model, n=64):
                                       eos_token_id=stop, pad_token_id=0)[:, enc.input_ids.shape[1]:]
             texts = tok.batch_decode(gen, skip_special_tokens=True)
             columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-            scores = ppo.reasoning_gym_reward(None, texts, **columns)
+            scores = ppo.adapters.reasoning_gym_reward(None, texts, **columns)
             out[f"{task} {fmt}"] = {"right": float(np.mean([s >= 1.0 for s in scores])),
                                     "mean_score": float(np.mean(scores)), "example": texts[0][:80]}
             print(task, fmt, out[f"{task} {fmt}"], flush=True)
@@ -1393,6 +1393,36 @@ def critic_quick():
     return {"summary": out, "minutes": (time.perf_counter() - t0) / 60}
 
 
+def async_speed(updates=6, rounds=1):
+    """Issue 54: seconds per update at --async-steps 1 (sampler and trainer one core each) against 0 (the trainer on
+    both cores), alternating, one run at a time: the toy world at its defaults, SmolLM2 on gcd at docs/trl.md's GRPO
+    settings and the critic's arm (16 x 1). Median of updates 2..N pooled over rounds; the sampler's own seconds
+    (the overlap), its wait, and the staleness it costs (mean behaviour weight, share of tokens capped)."""
+    settings = {"toy": [], "grpo": critic_flags("gcd", "grpo_4x4", 1, updates, 128),
+                "critic": critic_flags("gcd", "gae_16x1", 1, updates, 128)}
+    rows = {}
+    for r in range(rounds):
+        for world, flags in settings.items():
+            flags = flags or ["--total-episodes", str(64 * updates)]
+            for k in (0, 1):
+                name = f"exp_async54_{world}_k{k}_r{r}"
+                shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+                subprocess.run([sys.executable, "ppo.py", "--run-name", name, *flags, "--async-steps", str(k),
+                                "--save-every", "0", "--sample-every", "0"], cwd=ROOT, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for m in [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))][1:]:
+                    rows.setdefault((world, k), []).append(dict(
+                        s=m["time/rollout_s"] + m["time/update_s"] + m["time/push_s"] + m["time/log_s"],
+                        wait_s=m["time/generate_s"], sampler_s=m.get("time/sampler_s", m["time/generate_s"]),
+                        train_s=m["time/update_s"], weight=m.get("rollout/is_weight_mean"),
+                        capped=m.get("rollout/corrected_tokens")))
+                print(world, k, r, rows[(world, k)][-1], flush=True)
+    out = {f"{world}_k{k}": {key: float(np.median([u[key] for u in us])) if us[0][key] is not None else None
+                             for key in us[0]} for (world, k), us in rows.items()}
+    out["ratios"] = {world: out[f"{world}_k1"]["s"] / out[f"{world}_k0"]["s"] for world in settings}
+    return out
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "toycritic"]
     path = os.path.join(HERE, "results.json")
@@ -1405,11 +1435,12 @@ if __name__ == "__main__":
                      ("klloss", kl_in_loss), ("rgym", rgym), ("rgymarms", rgym_arms),
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
-                     ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side)):
+                     ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
+                     ("asyncspeed", async_speed)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
-            results["trlspeed52" if name == "trlspeed" else name] = result  # (issue 42's trlspeed kept beside it)
+            results[{"trlspeed": "trlspeed52", "asyncspeed": "async54"}.get(name, name)] = result  # (issue 42's trlspeed kept beside it)
             if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
                 results["rgym_heldout"] = results.pop(name)
             json.dump(results, open(path, "w"), indent=1)

@@ -8,7 +8,7 @@ Runs in a virtual environment of its own (TRL's pins must not touch the project'
 
 The prompts are ppo.py's own: its training rows of the task (evaluation questions taken out) in the order its
 `prompt_order` draws them for the seed, read through `import ppo` (hence tyro in this environment), so that update u
-of both trainers samples the same questions. The reward is ppo.py's too (`ppo.reasoning_gym_reward`), with its
+of both trainers samples the same questions. The reward is ppo.py's too (`ppo.adapters.reasoning_gym_reward`), with its
 missing-EOS rule: a completion that does not end in a stop token scores --missing-eos-penalty. MAPPING below is the
 flag table of docs/trl.md: each TRL setting this script passes, the ppo.py flag of the GRPO arm that matches it, and
 what differs where nothing matches; `tests/test_docs.py` checks that the settings passed are the ones it states.
@@ -138,7 +138,7 @@ def main():
 
     def reward(prompts, completions, completion_ids, entry, task, answer_format, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores = ppo.reasoning_gym_reward(prompts, texts, task, [json.loads(e) for e in entry], answer_format)
+        scores = ppo.adapters.reasoning_gym_reward(prompts, texts, task, [json.loads(e) for e in entry], answer_format)
         return [s if ids and ids[-1] in stop_ids else a.missing_eos_penalty for s, ids in zip(scores, completion_ids)]
 
     steps_per_update = a.num_minibatches * a.num_ppo_epochs

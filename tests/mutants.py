@@ -5,9 +5,9 @@ fast tests that must fail on each.
     python tests/mutants.py --all            # every test that kills each mutant, not only the first (slower)
     python tests/mutants.py --only kl-swapped-in-reward position-ids-arange
 
-Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, the worlds, bench.py, smollm2.py,
-tests/ and the toy world under runs/toy), where `python -m pytest -m "fast or mutants" tests` runs (with -x unless
---all): the fast subset and the oracles too slow for it. A mutant they let pass is a hole in the suite: the runner
+Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, adapters.py, the worlds, bench.py,
+smollm2.py, tests/ and the toy world under runs/toy), where `python -m pytest -m "fast or mutants" tests` runs (with
+-x unless --all): the fast subset and the oracles too slow for it. A mutant they let pass is a hole in the suite: the runner
 exits 1. The unmutated copy must pass first.
 Tests about the layout (the docs' maps, every flag read) do not count as killers.
 """
@@ -272,6 +272,11 @@ MUTANTS = [
     ("geo-mask-takes-the-sum", "ppo.py", "(mask.sum(1, keepdim=True).clamp(min=1) if mode == ", "(1 if mode == "),
     ("correction-reads-observation-tokens", "ppo.py", "log_ratio = (logprobs - sampler_logprobs).detach() * mask",
      "log_ratio = (logprobs - sampler_logprobs).detach()"),
+    ("decoupled-clamps-above-the-cap", "ppo.py", 'behav_imp_weight_cap", 0.0, 5.0)',  # TIS, not AReaL's zeroing
+     'behav_imp_weight_cap", None, 5.0)'),
+    # --async-steps 1: the sampler draws with the weights of two updates before; the batch in flight is checkpointed
+    ("sampler-never-gets-new-weights", "ppo.py", "                mine.copy_(new)", "                pass"),
+    ("batch-in-flight-not-restored", "ppo.py", 'best, state.get("drawn")', "best, None"),
     ("masked-tokens-stay-in-the-losses", "ppo.py", "rollout.kept if args.rollout_correction else rollout.mask",
      "rollout.mask"),
     ("is-weights-not-applied", "ppo.py",
@@ -317,7 +322,8 @@ NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::tes
 
 def scratch_copy():
     root = tempfile.mkdtemp(prefix="mutants_")
-    for name in ("ppo.py", "gae.py", "toy.py", "chain.py", "guess.py", "bench.py", "smollm2.py", "README.md"):
+    for name in ("ppo.py", "gae.py", "adapters.py", "toy.py", "chain.py", "guess.py", "bench.py", "smollm2.py",
+                 "README.md"):
         shutil.copy(os.path.join(ROOT, name), root)
     shutil.copytree(os.path.join(ROOT, "docs"), os.path.join(root, "docs"))
     shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),

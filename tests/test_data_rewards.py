@@ -111,11 +111,11 @@ RGYM = dict(dataset="reasoning-gym:chain_sum", dataset_options='{"size": 64, "ma
 
 @pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
 def test_a_renamed_copy_trains_on_a_reasoning_gym_task_with_its_own_reward(tmp_path):
-    """`cp ppo.py ppo_idea.py`, as --exp-name's help invites, in a folder of its own: the copy's default reward is
-    its own function (nothing in the file names the module `ppo`), and its runs log under the copy's name."""
+    """`cp ppo.py ppo_idea.py`, as --exp-name's help invites, in a folder of its own with gae.py and adapters.py:
+    the copy's default reward is adapters.py's (nothing names the module `ppo`), its runs log under the copy's name."""
     import real_models
     model = real_models.build("qwen2")  # a chat model on a real tokenizer (before the copy: it is built here)
-    for name in ("gae.py",):
+    for name in ("gae.py", "adapters.py"):
         shutil.copy(name, tmp_path)
     shutil.copy("ppo.py", tmp_path / "ppo_idea.py")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -141,7 +141,7 @@ def test_a_reasoning_gym_task_gives_prompts_and_its_own_reward(answer_format):
     assert args.reward_fn == "reasoning-gym"
     train, held_out = ppo.load_prompt_rows(args)
     assert len(held_out) == 16
-    ask = ppo.ANSWER_FORMATS[answer_format]
+    ask = ppo.adapters.ANSWER_FORMATS[answer_format]
     assert all(r["prompt"][0]["role"] == "user" and r["prompt"][0]["content"].endswith(ask) for r in train)
     # the library's own rows (seed 1234), those of the evaluation's questions left out; its own scorer
     own = reasoning_gym.create_dataset("chain_sum", size=64, seed=1234, max_terms=2, max_digits=1)
@@ -242,7 +242,8 @@ def test_the_number_format_reads_thousands_separators():
     import reasoning_gym
     entry = dict(reasoning_gym.create_dataset("chain_sum", size=1, seed=1)[0], answer="1024")
     texts = ["It is 1,024.", "so 1,02", "gcd(12,18): 1024", "1,024 and then 7"]
-    assert ppo.reasoning_gym_reward(None, texts, ["chain_sum"] * 4, [entry] * 4, ["number"] * 4) == [1, 0, 1, 0]
+    scores = ppo.adapters.reasoning_gym_reward(None, texts, ["chain_sum"] * 4, [entry] * 4, ["number"] * 4)
+    assert scores == [1, 0, 1, 0]
 
 
 @pytest.mark.fast

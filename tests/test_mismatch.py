@@ -15,7 +15,8 @@ from test_ppo_parts import checked, rollout_batch
 from test_variants import MODES as AGG
 
 VERL = json.load(open(os.path.join(os.path.dirname(__file__), "verl_rollout_corr.json")))
-HOLE_ROW, OBSERVATION = VERL["rows"]["hole"], slice(4, 7)  # the hole row's observation tokens: wild log-ratios
+HOLE_ROW, OBSERVATION = VERL["rows"]["hole"], slice(4, 7)
+VERL_MODES = [m for m in ppo.ROLLOUT_CORRECTIONS if m != "decoupled"]  # (AReaL's: tests/test_decoupled.py)  # the hole row's observation tokens: wild log-ratios
 
 
 def verl_case(mode):
@@ -23,7 +24,7 @@ def verl_case(mode):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("mode", list(ppo.ROLLOUT_CORRECTIONS))
+@pytest.mark.parametrize("mode", VERL_MODES)
 def test_each_rollout_correction_equals_verl_in_weights_mask_loss_and_gradient(mode):
     """At the mode's default bounds (so the defaults are veRL's setting too), in float64 as veRL ran: the IS weights,
     the mask left to the losses, and veRL's vanilla PPO loss with both (value and d loss / d log-prob) against
@@ -70,7 +71,8 @@ def test_observation_tokens_never_reach_a_correction():
     the same weights and mask on the agent's tokens, and nothing on the observation's."""
     inputs = VERL["inputs"]
     mask, old = torch.tensor(inputs["response_mask"]), torch.tensor(inputs["old_log_prob"])
-    for mode, (_, low, high) in ppo.ROLLOUT_CORRECTIONS.items():
+    for mode in VERL_MODES:
+        low, high = ppo.ROLLOUT_CORRECTIONS[mode][1:]
         sampler = torch.tensor(inputs["rollout_log_prob"][mode])
         wild = sampler.clone()
         wild[HOLE_ROW, OBSERVATION] = -1e4  # what a sampler never gave an observation token
@@ -151,7 +153,7 @@ def test_a_multi_turn_episode_is_corrected_on_its_agent_tokens(world):
 
 
 def test_a_correction_needs_a_sampler_apart_from_the_trainer():
-    with pytest.raises(ppo.UsageError, match="--vllm or --sampler-precision"):
+    with pytest.raises(ppo.UsageError, match="add --vllm, --sampler-precision or --async-steps 1"):
         ppo.check_args(ppo.Args(rollout_correction="seq-mask"), 1)
     with pytest.raises(ppo.UsageError, match="--rollout-correction-low must be at most"):
         ppo.check_args(ppo.Args(rollout_correction="icepop", vllm=True, rollout_correction_low=6.0), 1)
@@ -190,7 +192,7 @@ def test_an_asymmetric_bound_rejects_the_side_the_help_names():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("mode", list(ppo.ROLLOUT_CORRECTIONS))
+@pytest.mark.parametrize("mode", VERL_MODES)
 def test_a_correction_carries_no_gradient(mode):
     """The weights and masks change the measure, not the objective: given log-probs that require a gradient (a
     fork that corrects against the training pass's own), nothing returned carries one (veRL detaches them too)."""

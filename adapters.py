@@ -1,0 +1,155 @@
+"""ppo.py's adapters to two libraries of tasks, each an optional install; a cause that stops them is a ValueError,
+which ppo.py prints in one line.
+
+- `--dataset reasoning-gym:NAME`: reasoning-gym's generated questions as prompt rows, and its own scoring as the reward
+  (`--reward-fn reasoning-gym`, the default with such a dataset).
+- `--lora-rank`: peft's adapters as a plain checkpoint (`merged`: for vLLM and the final models) and in peft's own
+  format (`save_adapter`: what PeftModel loads).
+- `--env textarena/GAME`: a single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class of
+  ppo.py's interface (docs/agents.md): rows(n, seed), reset(row, seed) -> the first observation, and
+  step(action_text) -> (observation, reward, done).
+"""
+import copy
+import json
+import os
+import re
+
+ANSWER_FORMATS = {"tag": "Put your final answer between <answer> and </answer>.",  # --answer-format's instruction
+                  "raw": "Reply with the final answer alone.", "number": "End with the final answer, a number."}
+
+
+def reasoning_gym_rows(args, spec):
+    """--dataset reasoning-gym:NAME: training rows and evaluation candidates, generated here, with their entries."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError("--dataset reasoning-gym:... needs the reasoning-gym package: pip install reasoning-gym") \
+            from None
+    name = spec.split(":", 1)[1]
+    try:
+        options = json.loads(args.dataset_options or "{}")
+        assert isinstance(options, dict), "not a JSON object"
+    except (ValueError, AssertionError) as e:
+        raise ValueError(f"--dataset-options {args.dataset_options!r} is not a JSON object of the generator's options "
+                         f"({e})") from None
+    size, seed = options.pop("size", 2048), options.pop("seed", 1234)
+    try:  # item i comes from Random(seed + i): the evaluation's candidates from the seeds after training's
+        train, held_out = (reasoning_gym.create_dataset(name, size=n, seed=s, **options)
+                           for n, s in ((size, seed), (2 * args.eval_size, seed + size)))
+    except Exception as e:  # an unknown task, an option it does not take: one line
+        raise ValueError(f"--dataset {spec!r} with options {options} cannot be generated ({type(e).__name__}: "
+                         f"{first_line(e)}); the tasks: python -c 'import reasoning_gym.factory as f; "
+                         "print(sorted(f.DATASETS))'") from None
+    ask = ANSWER_FORMATS[args.answer_format]
+
+    def row(e):  # the prompt as one user message; the entry (question, answer, metadata) for the reward
+        return {"prompt": [{"role": "user", "content": f"{e['question']}\n\n{ask}"}], "answer": e["answer"],
+                "task": name, "entry": e, "answer_format": args.answer_format}
+    return [row(e) for e in train], [row(e) for e in held_out]
+
+
+def reasoning_gym_reward(prompts, responses, task, entry, answer_format, **columns):
+    """reasoning-gym:NAME's default reward: the task's own score_answer on the answer where --answer-format put it."""
+    import reasoning_gym
+    from reasoning_gym.utils import extract_answer
+    score_answer = reasoning_gym.get_score_answer_fn(task[0])
+    # a number, its thousands separated by commas or not: "1,024" is 1024 (and "12,18" two numbers)
+    numbers = [[n.replace(",", "") for n in re.findall(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?", r)]
+               for r in responses]
+    answers = [extract_answer(r) if f == "tag" else r.strip() if f == "raw" else (n[-1] if n else None)
+               for r, f, n in zip(responses, answer_format, numbers)]
+    return [0.0 if a is None else float(score_answer(a, e)) for a, e in zip(answers, entry)]
+
+
+def textarena_game(name):
+    try:
+        import textarena as ta
+    except ImportError:
+        raise ValueError("needs the textarena package: pip install textarena") from None  # (ppo.py names --env)
+    try:
+        ta.make(name)
+    except ValueError as e:  # not in its registry
+        raise ValueError(f"{first_line(e)} (give a single-player game id such as GuessTheNumber-v0)") from None
+    except LookupError as e:  # a corpus the game reads (nltk's, for Wordle and Hangman) is not on this machine
+        raise ValueError("the game needs a corpus this machine lacks: "
+                         + next((line.strip() for line in str(e).splitlines() if "not found" in line), first_line(e))
+                         + " (nltk.download() it where there is a network, or pick another game)") from None
+    except SyntaxError as e:  # (Klondike-v0 in textarena 0.7.4)
+        raise ValueError(f"TextArena's own code for it does not compile ({e.msg} in {e.filename}, line {e.lineno}): "
+                         "pick another game") from None
+    except Exception as e:
+        raise ValueError(f"the game cannot be made ({type(e).__name__}: {first_line(e)})") from None
+
+    class Game:
+        @staticmethod
+        def rows(n, seed):
+            return [{"game": name} for _ in range(n)]
+
+        def reset(self, row, seed):
+            self.env = ta.make(name)
+            self.env.reset(num_players=1, seed=seed)
+            self.log = self.env
+            while not hasattr(self.log, "full_observations"):  # the wrapper that keeps the messages in order
+                self.log = self.log.env
+            self.seen = 0
+            return self.news()
+
+        def news(self):
+            self.env.get_observation()  # (files the new messages in the wrapper's log)
+            log = self.log.full_observations.get(0, [])  # (sender, message, kind), the agent's moves too
+            new, self.seen = log[self.seen:], len(log)
+            return "\n".join(f"[GAME] {message}" for sender, message, kind in new  # (some games log the echo of
+                             if kind != ta.ObservationType.PLAYER_ACTION)  # a move as their own: TowerOfHanoi)
+
+        def step(self, action_text):
+            done, _ = self.env.step(action_text)
+            if done:
+                rewards, _ = self.env.close()
+                return None, float((rewards or {}).get(0, 0.0)), True
+            return self.news(), 0.0, False
+    Game.__name__ = Game.__qualname__ = name
+    return Game
+
+
+def first_line(e):
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# --- peft's LoRA adapters, saved ---------------------------------------------------------------
+def merged(named, layers):
+    """(name, tensor) pairs of an adapted model as a plain checkpoint's: W + scale * B A in fp32 under W's name."""
+    waiting = {}  # adapted layer -> the parts of W + scale * B A seen so far
+    for name, value in named:
+        owner, base, leaf = name.partition(".base_layer.")
+        adapter = re.fullmatch(r"(.+)\.lora_([AB])\.default\.weight", name)
+        if base and owner in layers and leaf == "weight" or adapter and adapter[1] in layers:
+            owner, part = (owner, "W") if base else (adapter[1], adapter[2])
+            parts = waiting.setdefault(owner, {})
+            parts[part] = value
+            if len(parts) == 3:
+                del waiting[owner]
+                W, B, A = parts["W"], parts["B"], parts["A"]
+                delta = B.float() @ A.float()  # (out, in)
+                if layers[owner].fan_in_fan_out:  # GPT-2's Conv1D stores its weight as (in, out)
+                    delta = delta.T
+                # in fp32 whatever W is stored in: on a bf16 W, a small update (|dW| / |W| = 1e-3) rounds mostly away
+                yield f"{owner}.weight", W.float() + layers[owner].scaling["default"] * delta
+        elif base and owner in layers:
+            yield f"{owner}.{leaf}", value  # the bias
+        elif ".lora_" not in name:
+            yield name, value
+    if waiting:
+        raise RuntimeError(f"merged: no W, A and B for {sorted(waiting)[:3]}")
+
+
+def save_adapter(model, path, base_path, head=None, state=None):
+    """The adapters (and a trained head) of `state` (default: the model's) in peft's format, as PeftModel loads them."""
+    from safetensors.torch import save_file
+    state = {"base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous()
+             for k, v in (state or model.state_dict()).items() if ".lora_" in k or (head and k.startswith(head + "."))}
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.peft_config["default"])  # (what inject_adapter_in_model resolved)
+    config.base_model_name_or_path, config.task_type = base_path, "SEQ_CLS" if head else "CAUSAL_LM"
+    config.modules_to_save = [head] if head else None
+    config.save_pretrained(path)
