@@ -130,7 +130,7 @@ def parallel_runs(jobs, parallel=2, save_every=0):
             rows = rows_of(name)
             done[name] = (rows, time.perf_counter() - t0)
             print(f"{name}: {len(rows)} updates in {done[name][1]:.0f} s, reward of the last 10 "
-                  f"{np.mean([r['objective/reward_fn'] for r in rows[-10:]]):.2f}", flush=True)
+                  f"{np.mean([r.get('objective/reward_fn', np.nan) for r in rows[-10:]]):.2f}", flush=True)
     return done
 
 
@@ -1423,6 +1423,21 @@ def async_speed(updates=6, rounds=1):
     return out
 
 
+def async_learning():
+    """Issue 54: --async-steps 1 learns as 0 does. The toy world at its defaults (gold over the last 10 updates, seed
+    1); the chain world, 80 updates at 3 seeds each, its accuracy on 256 evaluation prompts at the end."""
+    toy = parallel_runs([(f"exp_async54_toy_k{k}", ["--async-steps", str(k)], {}) for k in (0, 1)])
+    out = {f"toy_k{k}_gold_last10": float(np.mean([r["objective/gold"] for r in toy[f"exp_async54_toy_k{k}"][0][-10:]]))
+           for k in (0, 1)}
+    base = [*updates("chaincritic"), "--eval-every", str(CHAIN_UPDATES["chaincritic"]), "--eval-size", "256"]
+    runs = chain_runs("async54", {"k0": base, "k1": [*base, "--async-steps", "1"]}, reward_fn="chain:reward")
+    for k, r in runs.items():
+        evals = [rows[-1]["eval/reward_fn"] for rows, _, _ in r]
+        out[f"chain_{k}"] = {**summarise(r), "eval_per_seed": evals, "eval_mean": float(np.mean(evals)),
+                             "eval_std": float(np.std(evals))}
+    return out
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "toycritic"]
     path = os.path.join(HERE, "results.json")
@@ -1436,11 +1451,12 @@ if __name__ == "__main__":
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
-                     ("asyncspeed", async_speed)):
+                     ("asyncspeed", async_speed), ("asynclearn", async_learning)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
-            results[{"trlspeed": "trlspeed52", "asyncspeed": "async54"}.get(name, name)] = result  # (issue 42's trlspeed kept beside it)
+            keys = {"trlspeed": "trlspeed52", "asyncspeed": "async54", "asynclearn": "async54_learning"}
+            results[keys.get(name, name)] = result  # (issue 42's trlspeed kept beside it)
             if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
                 results["rgym_heldout"] = results.pop(name)
             json.dump(results, open(path, "w"), indent=1)

@@ -4,6 +4,7 @@
                                        # folders left out), and one resume: about 2 minutes
     python tests/kill_points.py --all  # every file-system step of a whole run, then of one resume
     python tests/kill_points.py --fp16 # the same in fp16, its loss scale forced to move (it must be restored too)
+    python tests/kill_points.py --async-steps  # the same at --async-steps 1: the batch drawn ahead is saved too
 
 A reference run (6 updates of 16, a checkpoint every 2, keep 2) records every file-system call it
 makes: opening a file to write, fsync, rename and replace, deleting a tree, making a folder, torch.save
@@ -113,6 +114,8 @@ def main():
     import toy
     toy.build_world()
     sweep_all, tag = "--all" in sys.argv, "_fp16" if "--fp16" in sys.argv else ""
+    if "--async-steps" in sys.argv:  # (each run starts a sampler process: a few seconds more a trial)
+        FLAGS["async_steps"], tag = 1, tag + "_async"
     if tag:  # a loss scale of 2^30 overflows the first steps: the scale moves within the run, as a resume must see
         FLAGS["precision"], real = "fp16", torch.amp.GradScaler
         torch.amp.GradScaler = lambda device: real(device, init_scale=2.0 ** 30)

@@ -192,7 +192,7 @@ def apply_recipe(text, source):
 def test_the_readmes_first_fork_recipe_learns_the_toy_world(tmp_path):
     """REINFORCE++-baseline as the README's diff writes it: the fork runs without a critic and its gold rises."""
     fork = apply_recipe(open("README.md").read(), open("ppo.py").read())
-    for name in ("gae.py", "toy.py"):
+    for name in ("gae.py", "adapters.py", "toy.py"):
         shutil.copy(name, tmp_path)
     (tmp_path / "ppo.py").write_text(fork)
     shutil.rmtree("runs/test_fork", ignore_errors=True)
