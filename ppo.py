@@ -243,7 +243,7 @@ class Args:
 
     # 8. health check
     ratio_check_tol: OptFloat = None
-    """the most mean |ratio - 1| on the first minibatch before any step (None: 1e-2; 5e-2 against the sampler)"""
+    """the most mean |ratio - 1| on the first minibatch before any step (None: 1e-2; a sampler 5e-2; stale, off)"""
     max_nonfinite_steps: int = 3
     """stop after this many steps in a row skipped for a non-finite loss or gradient"""
 
@@ -359,7 +359,8 @@ class Args:
             on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask)  # reads them
             self.old_logprobs = "on-policy" if on_policy else "recompute"
         if self.ratio_check_tol is None:  # against the sampler, the gap of another engine or precision counts too
-            self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else 5e-2
+            stale = self.async_steps  # (--async-steps 1 --old-logprobs sampler: one update behind, by design: off)
+            self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else math.inf if stale else 5e-2
         if self.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
             self.whiten_advantages = ESTIMATORS[self.adv_estimator]["whiten"]
         if self.rollout_correction:  # the mode's published bounds (ROLLOUT_CORRECTIONS), where not given

@@ -1326,8 +1326,8 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
                               "peak_gb": [round(max(u["peak_mb"] for u in r["rows"]) / 1000, 2) for r in runs]}
             n = min(len(r["rows"]) for r in runs)
             score = np.array([[u["score"] for u in r["rows"][:n]] for r in runs])
-            for ax, x in zip(axes, ("tokens", "s")):
-                spread_plot(ax, np.mean([np.cumsum([u[x] for u in r["rows"][:n]]) for r in runs], 0)
+            for ax, x in zip(axes, ("tokens", "cpu_s")):  # (CPU seconds of a one-thread run: its wall time, less
+                spread_plot(ax, np.mean([np.cumsum([u[x] for u in r["rows"][:n]]) for r in runs], 0)  # any pause)
                             / (1000 if x == "tokens" else 60), score, arm)
             for j, k in enumerate(("pass@1", "pass@4")):
                 v = after[k]
@@ -1336,7 +1336,7 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
             print(task, arm, out[task][arm], flush=True)
         for j, k in enumerate(("pass@1", "pass@4")):
             axes[2].axhline(base[k], color="gray", ls="--" if j == 0 else ":", lw=1)
-        axes[0].set_xlabel("sampled tokens (thousands)"), axes[1].set_xlabel("training minutes (one thread)")
+        axes[0].set_xlabel("sampled tokens (thousands)"), axes[1].set_xlabel("training minutes (one thread, CPU time)")
         for ax in axes[:2]:
             ax.set_title(f"{task}: training score per update (band: seeds' range)", fontsize=9)
         axes[0].legend(fontsize=7), axes[2].legend(fontsize=7), axes[2].set_xticks(range(len(arms)), arms, fontsize=7)
