@@ -2393,6 +2393,8 @@ class Sampler:
         with torch.no_grad():  # the sampler waits for a job now: the copy is whole before it reads
             for mine, new in zip(self.weights.parameters(), policy.parameters()):
                 mine.copy_(new)
+        if self.device.type == "cuda":  # (the copies done before another process reads them)
+            torch.cuda.synchronize(self.device)
         self.jobs.put((update, prompt_ids))
         self.asked = update
 

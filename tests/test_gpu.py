@@ -3,7 +3,8 @@ on a GPU machine): the default toy run in bf16 end to end; two updates of a Qwen
 model of 0.5B parameters (Qwen2.5-0.5B's shape: hidden 896, 24 layers, vocabulary 151,936) with a
 random-init reward model, micro-batches and gradient checkpointing; the same checkpoints stored in bf16
 training with fp32 weights and AdamW states; --offload-frozen lowering the peak allocated memory by about
-the frozen models' bytes; LoRA rank 16 with bf16 bases against full PPO on the 0.5B shape. Figures go to $GPU_CHECK_JSON when it is set.
+the frozen models' bytes; --async-steps 1 on the toy (the weights through CUDA IPC); LoRA rank 16 with bf16
+bases against full PPO on the 0.5B shape. Figures go to $GPU_CHECK_JSON when it is set.
 
     python tests/test_gpu.py          # only builds the 0.5B checkpoints under runs/gpu/ (bench.py uses them too)
 """
@@ -77,6 +78,17 @@ def test_default_toy_run_in_bf16(world):
                             ratio_at_start_max=max(r["ppo/policy/ratio_at_start"] for r in rows),
                             ratio_max_at_start_max=max(r["ppo/policy/ratio_max_at_start"] for r in rows)))
     assert last > first + 0.2
+
+
+def test_async_steps_on_the_gpu(world):
+    """--async-steps 1 on CUDA: the sampler reads the weights through CUDA IPC; the toy still learns, and update 1
+    (sampler and proximal the same weights) shows no gap but bf16's rounding."""
+    rows, wall = run("gpu_toy_async", async_steps=1)
+    first, last = (sum(r["objective/gold"] for r in part) / 10 for part in (rows[:10], rows[-10:]))
+    report("toy_bf16_async", dict(wall_s=round(wall, 1), gold_first10=first, gold_last10=last,
+                                  sampler_s=sum(r["time/sampler_s"] for r in rows),
+                                  wait_s=sum(r["time/generate_s"] for r in rows)))
+    assert len(rows) == 100 and last > first + 0.2 and rows[0]["rollout/logprob_diff_mean"] < 1e-2
 
 
 QWEN_FLAGS = dict(batch_size=32, total_episodes=64, response_length=128, micro_batch_size=8, num_minibatches=2,
