@@ -358,9 +358,8 @@ class Args:
             on_policy = (self.num_ppo_epochs, self.num_minibatches, self.kl_coef) == (1, 1, 0)  # one step, and nothing
             on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask)  # reads them
             self.old_logprobs = "on-policy" if on_policy else "recompute"
-        if self.ratio_check_tol is None:  # against the sampler, the gap of another engine or precision counts too
-            stale = self.async_steps  # (--async-steps 1 --old-logprobs sampler: one update behind, by design: off)
-            self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else math.inf if stale else 5e-2
+        if self.ratio_check_tol is None:  # against the sampler its gap counts too; off where it is stale (async)
+            self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else math.inf if self.async_steps else 5e-2
         if self.whiten_advantages is None:  # GRPO, RLOO, Dr. GRPO and veRL do not whiten group advantages again
             self.whiten_advantages = ESTIMATORS[self.adv_estimator]["whiten"]
         if self.rollout_correction:  # the mode's published bounds (ROLLOUT_CORRECTIONS), where not given

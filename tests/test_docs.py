@@ -362,7 +362,7 @@ def test_no_doc_names_a_path_outside_the_repository():
 def test_the_readme_tells_a_newcomer_what_the_code_does():
     readme = open("README.md").read()
     fork = readme.split("## How to fork it")[1].split("\n## ")[0]
-    assert all(f"`{name}`" in fork.split(";")[0] for name in ("ppo.py", "gae.py", "toy.py"))  # all three to copy
+    assert all(f"`{name}`" in fork.split(";")[0] for name in ("ppo.py", "gae.py", "adapters.py", "toy.py"))  # all to copy
     setup = readme.split("## Two commands")[1].split("**What you will see.**")[0]
     assert "vLLM is optional" in setup and "skip without it" in setup
     # the toy's time, measured once and said once: in the README, and nowhere else with another figure
