@@ -1378,8 +1378,8 @@ def check_args(args, world):
         fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction: not written yet")
     if args.async_steps and (world > 1 or env or args.vllm or args.dynamic_sampling or args.lora_rank
                              or args.keep_sampling_mask):
-        fail("--async-steps 1 with torchrun, --env, --vllm, --dynamic-sampling, --lora-rank or --keep-sampling-mask "
-             "is not written yet: drop one")
+        fail("--async-steps 1 with torchrun, --env (the guess world's too), --vllm, --dynamic-sampling, --lora-rank or "
+             "--keep-sampling-mask is not written yet: drop one")
     if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto" or args.async_steps):
         fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm, --sampler-precision or "
              "--async-steps 1")
@@ -2386,7 +2386,10 @@ class Sampler:
         torch.set_num_threads(max(1, cores - cores // 2))
         self.process = spawn.Process(target=sampler_process, daemon=True, args=(
             self.weights, tokenizer, args, device, max(1, cores // 2), os.getpid(), self.jobs, self.results))
-        self.process.start()
+        stops = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}  # ignored from
+        self.process.start()  # its first instruction (inherited): the trainer stops the run; the sampler ends after
+        for sig, handler in stops.items():
+            signal.signal(sig, handler)
 
     def ask(self, update, policy, prompt_ids):
         with torch.no_grad():  # the sampler waits for a job now: the copy is whole before it reads
@@ -2405,7 +2408,8 @@ class Sampler:
             except queue.Empty:
                 if not self.process.is_alive():
                     fail(f"the sampler process died (exit code {self.process.exitcode}) drawing update "
-                         f"{self.asked}'s batch; the checkpoints written are whole: --resume auto continues")
+                         f"{self.asked}'s batch; nothing written is lost: --resume auto continues from the newest "
+                         "checkpoint, if there is one")
                 continue
             if isinstance(drawn, str):
                 fail(f"the sampler process failed drawing update {update}'s batch: {drawn}")
@@ -2431,8 +2435,6 @@ class Sampler:
 def sampler_process(policy, tokenizer, args, device, threads, trainer, jobs, results):
     """The sampler's loop: phase 1 for each (update, prompt ids) asked, on a random stream keyed by (seed, update)."""
     torch.set_num_threads(threads)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the run, checkpoint and all; this ends after
-        signal.signal(sig, signal.SIG_IGN)
     while os.getppid() == trainer:  # (a trainer killed by SIGKILL leaves no orphan)
         try:
             job = jobs.get(timeout=1)
