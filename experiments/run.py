@@ -1043,7 +1043,8 @@ def trl_learning(key="trl_runs", updates=25, seeds=(1, 2, 3), eval_size=128, par
         record = {"rows": rows, "wall_s": time.perf_counter() - t0,
                   "eval": trl_evaluate(policy, f"{name}_eval", trl_grpo, a, env)}
         print(name, record["eval"], f"{record['wall_s']:.0f} s", flush=True)
-        trl_record(key, name, record)
+        trl_record(key, name, record)  # recorded: its checkpoints go (3.6-7 GB each on SmolLM2, or the queue fills a disk)
+        shutil.rmtree(os.path.join(ROOT, "runs", name, "checkpoints"), ignore_errors=True)
 
     jobs = [(arm, seed) for seed in seeds for arm in arms if f"exp_{key}_{arm}_s{seed}" not in done]
     jobs = ([("base", 1)] if "base" not in done else []) + jobs
@@ -1287,7 +1288,8 @@ def critic_runs(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS), 
         record = {"rows": rows, "wall_s": time.perf_counter() - t0, "resumed": resume,
                   "eval": critic_evaluate(task, policy, f"{name}_eval", eval_size, env)}
         print(name, record["eval"], f"{record['wall_s']:.0f} s", flush=True)
-        trl_record(key, name, record)
+        trl_record(key, name, record)  # recorded: its checkpoints go (3.6-7 GB each on SmolLM2, or the queue fills a disk)
+        shutil.rmtree(os.path.join(ROOT, "runs", name, "checkpoints"), ignore_errors=True)
 
     jobs = [(task, "base", 0) for task in tasks if f"base_{task}" not in done]
     jobs += [(task, arm, seed) for task in sorted(tasks, key=lambda t: t != "guess") for seed in seeds for arm in arms
