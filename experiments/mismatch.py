@@ -18,6 +18,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+import adapters  # noqa: E402
 import ppo  # noqa: E402
 
 MIN_TOKENS, BATCH = 2000, 16
@@ -64,7 +65,7 @@ def main():
     rows = [measure("HF generate, bf16 autocast", args, models, prompt_ids, device)]
     if "--no-vllm" not in sys.argv:
         args.vllm = True
-        llm = ppo.vllm_engine(models.policy_path, models.policy.config, args, device)
+        llm = adapters.vllm_engine(models.policy_path, models.policy.config, args, device)
         ppo.push_weights(llm, models.policy)  # (the engine loads the checkpoint; this is what a run does after)
         rows.append(measure("vLLM engine, bf16", args, models, prompt_ids, device, llm))
     path = os.path.join(HERE, "results.json")

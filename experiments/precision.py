@@ -27,6 +27,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+import adapters  # noqa: E402
 import ppo  # noqa: E402
 
 MIN_TOKENS, BATCH = 2000, 16
@@ -110,7 +111,7 @@ def main():
     llm, vllm_set = None, None
     if not opts.no_vllm:
         args.vllm, args.sampler_precision = True, "bf16"  # the engine in bf16, as on a GPU
-        llm = ppo.vllm_engine(models.policy_path, models.policy.config, args, DEVICE)
+        llm = adapters.vllm_engine(models.policy_path, models.policy.config, args, DEVICE)
         vllm_set = sample(models, prompt_ids[len(prompt_ids) // 2:], llm=llm)
     for name, (dtype, fp32_head) in SETTINGS.items():
         models.policy = headed if fp32_head else plain

@@ -53,7 +53,11 @@
 27-28. issue 53, the critic's case on equal terms (docs/critic.md): critic: GRPO 4x4 and 16x4, PPO with the critic
    16x1 and 4x4, RLOO 4x4, 3 seeds, on gcd, basic_arithmetic and the guess world, each policy scored by its task's
    one evaluator on held-out questions, recorded as it ends (resumable); criticquick: all of it at 2 updates;
-   criticside: the guess world's GRPO arm with the KL in the loss, and without the group's std.
+   criticside: the guess world's GRPO arm with the KL in the loss, and without the group's std. Every run and
+   evaluation runs CRITIC_CODE's ppo.py (runs/code_<commit>/), the code the first runs were drawn by.
+29-30. issue 54, --async-steps: asyncspeed (seconds per update, K = 1 against 0) and asynclearn (toy and chain).
+31. issue 55, ckpt: rank 0's peak RSS and the seconds while saving SmolLM2's policy and critic with their AdamW
+   states sharded against gathered (the save before it), and to load, on 1, 2 and 4 ranks (experiments/ckpt_memory.py).
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
@@ -994,11 +998,12 @@ def trl_evaluate(policy, name, trl_grpo, a, env):
     return {k: scored[k] for k in ("pass@1", "pass@4", "reward_fn")}
 
 
-def score_policy(flags, name, env):
-    """One evaluation run of ppo.py with these flags (a learning rate of 1e-12 among them): --eval-samples 4 after
-    one update; its eval/ metrics, rounded to 4 decimals, and the run's folder removed (its policy is the one given)."""
+def score_policy(flags, name, env, script="ppo.py"):
+    """One evaluation run of ppo.py (`script`) with these flags (a learning rate of 1e-12 among them): --eval-samples
+    4 after one update; its eval/ metrics, rounded to 4 decimals, and the run's folder removed (its policy is the one
+    given)."""
     shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-    out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, *flags, "--eval-every", "1", "--eval-samples",
+    out = subprocess.run([sys.executable, script, "--run-name", name, *flags, "--eval-every", "1", "--eval-samples",
                           "4", "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, capture_output=True,
                          text=True)
     if out.returncode != 0:
@@ -1206,6 +1211,24 @@ CRITIC_ARMS = {  # arm: (--adv-estimator, questions an update, samples of each q
 # pass@1 0.029 on its 128 questions, outside the band, so the fallback fixed beside it: basic_arithmetic, of the
 # other two the one farthest inside the band
 CRITIC_TASKS = ("gcd", "basic_arithmetic", "guess")
+# issue 53's code: every arm, seed and evaluation runs this commit's ppo.py (issue 55 then keyed each row's random
+# draws to its place in the batch, which changes every sample; the runs recorded first were drawn by this code)
+CRITIC_CODE = "06bc188"
+
+
+def critic_code():
+    """CRITIC_CODE's top-level .py files (ppo.py, its modules and worlds) under runs/, once; the path of its ppo.py."""
+    folder = os.path.join(ROOT, "runs", f"code_{CRITIC_CODE}")
+    if not os.path.exists(os.path.join(folder, "ppo.py")):
+        os.makedirs(folder, exist_ok=True)
+        files = subprocess.run(["git", "ls-tree", "--name-only", CRITIC_CODE], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.split()
+        for name in [f for f in files if f.endswith(".py")]:
+            text = subprocess.run(["git", "show", f"{CRITIC_CODE}:{name}"], cwd=ROOT, capture_output=True, text=True,
+                                  check=True).stdout
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+    return os.path.join(folder, "ppo.py")
 GUESS_HELD_OUT = (3, 6, 11, 14)  # the guess world's evaluation secrets, never trained on (one in each quarter)
 
 
@@ -1255,7 +1278,7 @@ def critic_evaluate(task, policy, name, eval_size, env):
     flags = critic_flags(task, "grpo_4x4", 1, 1, eval_size, policy)
     flags = override(flags, learning_rate="1e-12") if "--learning-rate" in flags else [*flags, "--learning-rate",
                                                                                        "1e-12"]
-    return score_policy(flags, name, env)
+    return score_policy(flags, name, env, critic_code())
 
 
 def critic_runs(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS), seeds=(1, 2, 3), updates=None,
@@ -1278,7 +1301,7 @@ def critic_runs(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS), 
         if not resume:
             shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, "ppo.py", "--run-name", name, *critic_flags(task, arm, seed, steps[task],
+        out = subprocess.run([sys.executable, critic_code(), "--run-name", name, *critic_flags(task, arm, seed, steps[task],
                               eval_size), "--sample-every", "0", "--save-every", "5",
                               *(["--resume", "auto"] if resume else [])], cwd=ROOT, env=env, capture_output=True,
                              text=True)
@@ -1354,7 +1377,7 @@ def critic_side(seeds=(1, 2, 3)):
     for variant, extra in (("klloss", ["--kl-in-loss", "--kl-estimator", "k3"]), ("nostd", ["--no-group-std"])):
         for seed in seeds:
             name = f"exp_critic_side_guess_grpo_4x4_{variant}_s{seed}"
-            subprocess.run([sys.executable, "ppo.py", "--run-name", name, *critic_flags("guess", "grpo_4x4", seed, 100,
+            subprocess.run([sys.executable, critic_code(), "--run-name", name, *critic_flags("guess", "grpo_4x4", seed, 100,
                             128), *extra, "--sample-every", "0", "--save-every", "0"], cwd=ROOT, env=env, check=True,
                            capture_output=True)
             rows = trl_update_rows("ppo", name)
@@ -1440,6 +1463,24 @@ def async_learning():
     return out
 
 
+def checkpoint_memory(ranks=(1, 2, 4)):
+    """Issue 55: rank 0's peak RSS above its RSS before, while saving a sharded checkpoint of SmolLM2's policy and
+    critic with their AdamW states, against the gathered save ppo.py did before (experiments/ckpt_memory.py); the
+    seconds to save each way and to load the sharded one, on 1, 2 and 4 ranks (gloo, one thread each), one at a time."""
+    sys.path.insert(0, ROOT)
+    import smollm2
+    model, out = smollm2.build()[0], {}
+    for n in ranks:
+        path = os.path.join(ROOT, "runs", f"ckpt_memory_{n}.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                        os.path.join(HERE, "ckpt_memory.py"), model, path], cwd=ROOT, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+        out[f"ranks={n}"] = json.load(open(path))
+        shutil.rmtree(os.path.join(ROOT, "runs", f"ckpt_memory_{n}"), ignore_errors=True)
+        print(out[f"ranks={n}"], flush=True)
+    return out
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "toycritic"]
     path = os.path.join(HERE, "results.json")
@@ -1453,11 +1494,12 @@ if __name__ == "__main__":
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
-                     ("asyncspeed", async_speed), ("asynclearn", async_learning)):
+                     ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
-            keys = {"trlspeed": "trlspeed52", "asyncspeed": "async54", "asynclearn": "async54_learning"}
+            keys = {"trlspeed": "trlspeed52", "asyncspeed": "async54", "asynclearn": "async54_learning",
+                    "ckpt": "ckpt55"}
             results[keys.get(name, name)] = result  # (issue 42's trlspeed kept beside it)
             if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
                 results["rgym_heldout"] = results.pop(name)

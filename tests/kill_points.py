@@ -52,11 +52,12 @@ def hook_file_system(kill_at, log):
             os.kill(os.getpid(), signal.SIGKILL)
         return (count[0], "after") == kill_at
 
-    def wrap(owner, name, kind, writes=None):
+    def wrap(owner, name, kind, writes=None, path=0):  # path: the argument that names the file
         real = getattr(owner, name)
 
         def hooked(*a, **kw):
-            kill_after = (writes is None or writes(*a, **kw)) and step(kind, a[0] if a else kw.get("f", "?"))
+            named = a[path] if len(a) > path else kw.get("f", "?")
+            kill_after = (writes is None or writes(*a, **kw)) and step(kind, named)
             out = real(*a, **kw)
             if kill_after:  # e.g. a file just opened for writing, and so emptied, before a byte is written
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -69,7 +70,8 @@ def hook_file_system(kill_at, log):
     for name in ("replace", "rename", "fsync", "makedirs", "unlink", "rmdir"):  # unlink, rmdir: inside rmtree
         wrap(os, name, name)
     wrap(shutil, "rmtree", "rmtree")
-    wrap(torch, "save", "torch.save", lambda obj, f, *a, **kw: True)
+    # (torch.distributed.checkpoint's writer torch.saves each tensor into a stream of a file it opened: not a step)
+    wrap(torch, "save", "torch.save", lambda obj, f, *a, **kw: isinstance(f, (str, os.PathLike)), path=1)
     real_save_file = transformers.modeling_utils.safe_save_file
 
     def save_file(tensors, filename, *a, **kw):

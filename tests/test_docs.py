@@ -147,12 +147,12 @@ def test_a_size_limit_says_it_is_one_and_how_a_fork_turns_it_off(monkeypatch):
 
 # what the algorithm's functions may still call below `main`: the engine, the reward sources, the env's checked
 # calls and the chat template's rendering, the packing of the sampler's support, the chunked head's kernels, the
-# parts of a batch, the micro-batches and the chunked head (the default log-prob path), the HF sampler's log-probs
-# (kept without its logits), whether a reference is loaded at all, and the one-line error
+# parts of a batch, the micro-batches and the chunked head (the default log-prob path), an env's episodes (their
+# token bookkeeping), whether a reference is loaded at all, and the one-line error
 PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "reward_model_scores", "render_for_rm",
             "env_call", "env_step", "first_observation", "observation_ids", "question", "pick", "join",
             "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs",
-            "micro_batches", "chunked_logprobs", "global_max", "SampledLogprobs", "no_reference"}
+            "micro_batches", "chunked_logprobs", "global_max", "play", "no_reference"}
 
 
 @pytest.mark.fast

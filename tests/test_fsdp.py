@@ -154,6 +154,7 @@ def test_two_rank_lora_run_resumes_exactly_and_saves_its_adapters(world):
     # resume from update 1's checkpoint (adapters, heads, states; the bases from --model) gives the same rows,
     # and the saved merged policy is the saved adapter on the base, gathered from the shards
     from peft import PeftModel
+    from test_sharded import checkpoint_contents  # (here: that file imports this one)
     flags = ["--lora-rank", "4", "--learning-rate", "1e-3", "--save-every", "1", "--keep-checkpoints", "3"]
     straight, _ = two_rank_run("test_fsdp_lora", *flags)
     out = torchrun(2, "ppo.py", "--run-name", "test_fsdp_lora", "--total-episodes", "192", "--micro-batch-size", "16",
@@ -162,8 +163,8 @@ def test_two_rank_lora_run_resumes_exactly_and_saves_its_adapters(world):
     resumed = [json.loads(line) for line in open("runs/test_fsdp_lora/metrics.jsonl")]
     assert [r["step"] for r in resumed] == [1, 2, 3] and without_timings(resumed) == without_timings(straight)
     assert all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in straight)
-    state = torch.load("runs/test_fsdp_lora/checkpoints/step_3/state.pt", weights_only=True)
-    policy_opt, critic_opt = (s["state"] for s in state["optimizers"])
+    whole = checkpoint_contents("runs/test_fsdp_lora/checkpoints/step_3")
+    policy_opt, critic_opt = whole["policy_adamw"]["state"], whole["critic_adamw"]["state"]
     assert all(".lora_" in k for k in policy_opt) and all(".lora_" in k or ".score." in k for k in critic_opt)
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(world[0])

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import ppo  # noqa: E402
 from real_models import tokenizer_dir  # noqa: E402
+from test_sharded import checkpoint_contents  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(HERE), "runs", "gpu")
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -118,11 +119,11 @@ def test_a_checkpoint_stored_in_bf16_trains_in_fp32():
             AutoTokenizer.from_pretrained(src).save_pretrained(src + "-bf16")
     flags = dict(QWEN_FLAGS, total_episodes=32, num_minibatches=1, save_every=1)
     rows, wall = run("gpu_bf16_stored", model=policy + "-bf16", reward_model=reward + "-bf16", dataset=prompts, **flags)
-    state = torch.load("runs/gpu_bf16_stored/checkpoints/step_1/state.pt", weights_only=True)
-    dtypes = sorted({str(t.dtype) for opt in state["optimizers"] for s in opt["state"].values()
+    whole = checkpoint_contents("runs/gpu_bf16_stored/checkpoints/step_1")
+    dtypes = sorted({str(t.dtype) for name in ("policy", "critic") for s in whole[f"{name}_adamw"]["state"].values()
                      for k, t in s.items() if k != "step"})
     start = load_file(os.path.join(policy + "-bf16", "model.safetensors"))
-    stepped = load_file("runs/gpu_bf16_stored/checkpoints/step_1/policy/model.safetensors")
+    stepped = whole["policy"]
     moved = sum((stepped[k] != start[k].float()).sum().item() for k in start) / sum(t.numel() for t in start.values())
     final = json.load(open("runs/gpu_bf16_stored/policy/config.json"))["dtype"]
     report("bf16_stored", dict(adamw_state_dtypes=dtypes, policy_weights_moved=moved, final_dtype=final,

@@ -15,6 +15,7 @@ import ppo
 import toy
 from fp32 import assert_close_fp32
 from test_oracles import TOY_SUM
+from test_sharded import checkpoint_contents
 
 FLAGS = dict(lora_rank=8, learning_rate=1e-3, critic_learning_rate=1e-3, total_episodes=3 * 64, save_every=1,
              sample_every=0)
@@ -66,16 +67,16 @@ def test_the_reference_is_the_base_with_the_adapters_off(lora_run):
 @pytest.mark.fast
 def test_only_the_adapters_and_the_value_head_have_optimizer_states(lora_run):
     _, models = lora_run
-    state = torch.load("runs/test_lora/checkpoints/step_3/state.pt", weights_only=True)
-    policy_opt, critic_opt = (s["state"] for s in state["optimizers"])
+    step = "runs/test_lora/checkpoints/step_3"
+    whole = checkpoint_contents(step)
+    policy_opt, critic_opt = whole["policy_adamw"]["state"], whole["critic_adamw"]["state"]
     lora = lambda m: [n for n, _ in m.named_parameters() if ".lora_" in n]  # noqa: E731
     assert len(policy_opt) == len(lora(models.policy)) > 0
     head = [n for n, _ in models.critic.seq_cls.score.named_parameters()]
     assert len(critic_opt) == len(lora(models.critic.seq_cls)) + len(head)
-    # a checkpoint is small: the adapters, the value head and the states; resume reads the bases from --model
-    step = "runs/test_lora/checkpoints/step_3"
-    assert sorted(os.listdir(f"{step}/policy_adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert not os.path.exists(f"{step}/critic") and "model.safetensors" not in os.listdir(f"{step}/policy")
+    # a checkpoint is small: the adapters, the value head and their states; resume reads the bases from --model
+    assert set(whole["policy"]) == set(policy_opt) and set(whole["critic"]) == set(critic_opt)
+    assert sorted(os.listdir(step)) == ["flags.json", "manifest.json", "shards", "state.pt"]
 
 
 @pytest.mark.fast
@@ -165,7 +166,7 @@ def test_the_saved_lora_policy_is_base_plus_adapter_in_fp32(shape, base, tmp_pat
                              None), policy_path=str(tmp_path / "base"), critic_path=None,
                              shipped_generation_config=policy.generation_config,
                              shipped_tokenizer=SimpleNamespace(save_pretrained=lambda path: None))
-    ppo.save_models(str(tmp_path / "out"), models, as_stored=True)
+    ppo.save_models(str(tmp_path / "out"), models)
     saved = load_file(str(tmp_path / "out" / "policy" / "model.safetensors"))
     assert {v.dtype for v in saved.values()} == {torch.float32}
     assert json.load(open(tmp_path / "out" / "policy" / "config.json"))["dtype"] == "float32"

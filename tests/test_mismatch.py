@@ -166,6 +166,7 @@ def test_a_checkpoint_of_the_old_cap_flag_is_not_resumed_without_it(tmp_path):
     args = ppo.Args()
     ppo.check_args(args, 1)
     saved = json.loads(json.dumps(ppo.asdict(args)))
+    (tmp_path / "shards").mkdir()  # (a sharded checkpoint's)
     for cap, refused in ((2.0, True), (None, False)):
         json.dump({**saved, "rollout_is_cap": cap}, open(tmp_path / "flags.json", "w"))
         if refused:

@@ -62,7 +62,7 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before(straight, damag
     root = copy_run(straight, run)
     for name in ("policy", "critic"):
         shutil.rmtree(f"runs/{run}/{name}")  # as if killed after the checkpoint at 6
-    weights = f"{root}/step_6/policy/model.safetensors"
+    weights = f"{root}/step_6/shards/__0_0.distcp"  # the weights' and AdamW states' shards
     if damage == "flipped_byte":  # bit rot: the file loads, the weights are wrong
         data = bytearray(open(weights, "rb").read())
         data[-100] ^= 0x10
@@ -81,9 +81,9 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before(straight, damag
 
 def test_explicit_resume_of_a_damaged_checkpoint_is_refused(straight):
     root = copy_run(straight, "test_damaged_explicit")
-    os.remove(f"{root}/step_3/critic/config.json")
+    os.remove(f"{root}/step_3/shards/.metadata")
     one_line_refusal(cli("--run-name", "test_damaged_explicit", *FLAGS, "--resume", f"{root}/step_3"),
-                     "is not a whole checkpoint (critic/config.json is missing)")
+                     "is not a whole checkpoint (shards/.metadata is missing)")
 
 
 def test_resume_refuses_changed_flags_and_allows_a_longer_run(straight):

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
+from test_sharded import checkpoint_contents
 
 pytestmark = pytest.mark.fast
 QUICK = dict(batch_size=16, response_length=8, num_ppo_epochs=1, sample_every=0)
@@ -41,19 +42,19 @@ def test_a_checkpoint_stored_in_bf16_trains_in_fp32_and_is_saved_in_bf16(world, 
     # one optimizer step at the docs' real-model rate: in bf16 it would move about 1% of the weights
     run_main("test_bf16_stored", model=str(tmp_path / "policy"), reward_model=str(tmp_path / "reward"),
              total_episodes=16, learning_rate=1e-6, critic_learning_rate=1e-6, save_every=1)
-    state = torch.load("runs/test_bf16_stored/checkpoints/step_1/state.pt", weights_only=True)
-    for name, opt in zip(("policy", "critic"), state["optimizers"]):
+    whole = checkpoint_contents("runs/test_bf16_stored/checkpoints/step_1")
+    for name in ("policy", "critic"):
+        opt = whole[f"{name}_adamw"]
         moments = [t for s in opt["state"].values() for k, t in s.items() if k != "step"]
         assert moments and all(t.dtype == torch.float32 for t in moments), name
-        stepped = load_file(f"runs/test_bf16_stored/checkpoints/step_1/{name}/model.safetensors")
+        stepped = {k.removeprefix("seq_cls."): v for k, v in whole[name].items()}
         start = load_file(str(tmp_path / ("policy" if name == "policy" else "reward") / "model.safetensors"))
         assert all(t.dtype == torch.float32 for t in stepped.values()), name
         model = (AutoModelForCausalLM.from_pretrained(tmp_path / "policy") if name == "policy" else
                  AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward"))
-        names = [k for k, _ in model.named_parameters()]
         moved = total = 0
-        for key, i in zip(names, opt["param_groups"][0]["params"]):  # state i: the i-th of named_parameters
-            s = opt["state"].get(i)
+        for key, _ in model.named_parameters():
+            s = opt["state"].get(("seq_cls." if name == "critic" else "") + key)
             if s is None:
                 continue
             had_gradient = s["exp_avg"] != 0

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import adapters
 import ppo
 import test_fsdp
 import test_ppo_parts
@@ -32,7 +33,7 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     policy.generation_config = GenerationConfig(
         do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    llm = ppo.vllm_engine(policy_path, policy.config, args, torch.device("cpu"))
+    llm = adapters.vllm_engine(policy_path, policy.config, args, torch.device("cpu"))
     prompts = [tok(p).input_ids for p in toy.prompts(32, seed=3)]
 
     def gap(model):
@@ -81,7 +82,7 @@ def test_the_engine_follows_every_push_with_a_tied_head_too(tied, tmp_path):
     tok.pad_token = tok.unk_token
     policy.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
                                                 eos_token_id=[2], pad_token_id=0)
-    llm = ppo.vllm_engine(str(tmp_path), policy.config, test_ppo_parts.checked(vllm=True), torch.device("cpu"))
+    llm = adapters.vllm_engine(str(tmp_path), policy.config, test_ppo_parts.checked(vllm=True), torch.device("cpu"))
     prompts = [tok(f"What is {a} plus {b}?").input_ids for a in range(4) for b in range(4)]
     first = copy.deepcopy(policy)
     for push in range(3):  # 0: as built; 1, 2: after a push of moved weights
