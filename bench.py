@@ -178,7 +178,7 @@ def measure_floor(pargs, updates):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     quiet = lambda *a, **k: None  # noqa: E731
     ppo.check_args(pargs, 1)  # the defaults a run fills in from other flags (reasoning-gym:NAME's reward, ...)
-    models = ppo.load_models(pargs, None, device, quiet)
+    models = ppo.load_models(pargs, device, quiet)
     tokenizer, policy, critic = models.tokenizer, models.policy, models.critic
     models.ref_policy.to(device)  # the floor keeps every model on the device
     if models.reward_model is not None:
@@ -455,7 +455,7 @@ def spread(args, rows=32, micro=4, repeats=3):
     pargs = tyro.cli(ppo.Args, args=["--model", policy_path, "--reward-model", reward_path, "--critic-init", "reward",
                                      "--response-length", "256", "--num-ppo-epochs", "2"])
     ppo.check_args(pargs, 1)
-    models = ppo.load_models(pargs, None, torch.device("cpu"), lambda *a, **k: None)
+    models = ppo.load_models(pargs, torch.device("cpu"), lambda *a, **k: None)
     g = torch.Generator().manual_seed(0)
     P, T = 16, 256
     lengths = torch.randint(8, T + 1, (rows,), generator=g)

@@ -57,7 +57,7 @@ def main():
                     precision="fp32", sampler_precision="bf16", batch_size=BATCH, total_episodes=BATCH)
     ppo.check_args(args, 1)
     device = torch.device("cpu")
-    models = ppo.load_models(args, None, device, print)
+    models = ppo.load_models(args, device, print)
     models.policy.generation_config = ppo.GenerationConfig(  # as main sets it
         do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
         eos_token_id=models.stop_ids, pad_token_id=models.tokenizer.pad_token_id)

@@ -95,12 +95,12 @@ def main():
     args = ppo.Args(model=opts.model, dataset=opts.dataset, reward_model=opts.reward_model, precision="fp32",
                     response_length=opts.response_length, batch_size=BATCH, total_episodes=BATCH, eval_fraction=0.0)
     ppo.check_args(args, 1)
-    models = ppo.load_models(args, None, DEVICE, print)
+    models = ppo.load_models(args, DEVICE, print)
     models.policy.generation_config = ppo.GenerationConfig(  # as main sets it
         do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
         eos_token_id=models.stop_ids, pad_token_id=models.tokenizer.pad_token_id)
     prompt_ids = ppo.load_prompts(args, models.tokenizer, print, models.env)[1]
-    plain, headed = models.policy, ppo.load_models(args, None, DEVICE, print).policy
+    plain, headed = models.policy, ppo.load_models(args, DEVICE, print).policy
     headed.generation_config = plain.generation_config
     ppo.fp32_head(headed.get_output_embeddings())
     tau, rows = args.temperature, {}

@@ -839,7 +839,7 @@ def guess_value(n=2048):
                   str(64 * stage), *([] if variant == "across" else ["--no-gae-across-observations"]))
         args = ppo.Args(model=os.path.join(d, "policy"), env="guess:Guess", max_turns=5, response_length=4)
         ppo.check_args(args, 1)
-        models = ppo.load_models(args, None, torch.device("cpu"), log=lambda *a: None)
+        models = ppo.load_models(args, torch.device("cpu"), log=lambda *a: None)
         critic = ppo.ValueModel(AutoModelForSequenceClassification.from_pretrained(os.path.join(d, "critic")).eval())
         tok = models.tokenizer
         models.policy.generation_config = ppo.GenerationConfig(
@@ -907,7 +907,7 @@ def arena_games(policy_dir, n=32):
     args = ppo.Args(model=policy_dir, env=f"textarena/{ARENA_GAME}", max_turns=10, response_length=16,
                     max_prompt_length=192)
     ppo.check_args(args, 1)
-    models = ppo.load_models(args, None, torch.device("cpu"), log=lambda *a: None)
+    models = ppo.load_models(args, torch.device("cpu"), log=lambda *a: None)
     models.policy.generation_config = ppo.GenerationConfig(
         do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.response_length,
         eos_token_id=models.stop_ids, pad_token_id=models.tokenizer.pad_token_id)

@@ -57,7 +57,7 @@ def test_padding_is_never_sampled_scored_or_trained(smol):
     # one batch through the trainer's own passes: the pad (<|endoftext|>, id 0) fills only what the masks
     # leave out, and the log-probs, values and advantages there are exactly 0 after masking
     args = ppo.Args(model=smol, **FLAGS)
-    models = ppo.load_models(args, None, torch.device("cpu"), log=lambda *a: None)
+    models = ppo.load_models(args, torch.device("cpu"), log=lambda *a: None)
     policy, tok = models.policy, models.tokenizer
     policy.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
                                                 max_new_tokens=16, eos_token_id=models.stop_ids,
