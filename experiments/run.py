@@ -52,7 +52,7 @@
    issue 42's trlspeed kept); trl52: ppo.py's GRPO arm of trl again with the new defaults, 3 seeds.
 27-28. issue 53, the critic's case on equal terms (docs/critic.md): critic: GRPO 4x4 and 16x4, PPO with the critic
    16x1 and 4x4, RLOO 4x4, 3 seeds, on gcd, basic_arithmetic and the guess world, each policy scored by its task's
-   one evaluator on held-out questions, recorded as it ends (resumable); criticquick: all of it at 2 updates;
+   one evaluator on held-out questions, recorded as it ends (resumable); criticquick: all of it at 1 update;
    criticside: the guess world's GRPO arm with the KL in the loss, and without the group's std. Every run and
    evaluation runs CRITIC_CODE's ppo.py (runs/code_<commit>/), the code the first runs were drawn by.
 29-30. issue 54, --async-steps: asyncspeed (seconds per update, K = 1 against 0) and asynclearn (toy and chain).
@@ -1014,13 +1014,17 @@ def score_policy(flags, name, env, script="ppo.py"):
 
 
 def trl_record(key, name, value):
-    """results.json[key][name] = value, at once: a machine taken back between sessions keeps what was measured."""
+    """results.json[key][name] = value (name None: results.json[key] = value), at once: a machine taken back
+    between sessions keeps what was measured."""
     import fcntl
     with open(os.path.join(ROOT, "runs", ".results.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         path = os.path.join(HERE, "results.json")
         results = json.load(open(path))
-        results.setdefault(key, {})[name] = value
+        if name is None:
+            results[key] = value
+        else:
+            results.setdefault(key, {})[name] = value
         json.dump(results, open(path, "w"), indent=1)
 
 
@@ -1082,7 +1086,7 @@ def trl_learning_summary(key, seeds):
                     **{f"gain_{k}": [round(g, 4) for g in v] for k, v in gains.items()},
                     **{f"gain_{k}_mean": float(np.mean(v)) for k, v in gains.items()},
                     **{f"gain_{k}_sd": float(np.std(v, ddof=1)) if len(v) > 1 else None for k, v in gains.items()},
-                    "median_s_per_update": [float(np.median([u["s"] for u in r["rows"][1:]])) for r in runs],
+                    "median_s_per_update": [float(np.median([u["s"] for u in r["rows"][1:] or r["rows"]])) for r in runs],
                     "peak_mb": [max(u["peak_mb"] for u in r["rows"]) for r in runs]}
         scores = np.array([[u["score"] for u in r["rows"]] for r in runs])
         spread_plot(axes[0], np.arange(1, scores.shape[1] + 1), scores, arm)
@@ -1345,7 +1349,7 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
                               "score_last5": [round(float(np.mean([u["score"] for u in r["rows"][-5:]])), 3)
                                               for r in runs],
                               "sampled_tokens": [sum(u["tokens"] for u in r["rows"]) for r in runs],
-                              "median_s_per_update": [round(float(np.median([u["s"] for u in r["rows"][1:]])), 2)
+                              "median_s_per_update": [round(float(np.median([u["s"] for u in r["rows"][1:] or r["rows"]])), 2)
                                                       for r in runs],
                               "wall_s": [round(r["wall_s"]) for r in runs],
                               "peak_gb": [round(max(u["peak_mb"] for u in r["rows"]) / 1000, 2) for r in runs]}
@@ -1366,7 +1370,8 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
             ax.set_title(f"{task}: training score per update (band: seeds' range)", fontsize=9)
         axes[0].legend(fontsize=7), axes[2].legend(fontsize=7), axes[2].set_xticks(range(len(arms)), arms, fontsize=7)
         axes[2].set_title("held-out pass@1 (o) and pass@4 (s) after; lines: untrained", fontsize=9)
-        fig.tight_layout(), fig.savefig(os.path.join(HERE, f"critic_{task}.png"), dpi=80), plt.close(fig)
+        folder = HERE if key == "critic_runs" else os.path.join(ROOT, "runs")  # (a check's figures are not results)
+        fig.tight_layout(), fig.savefig(os.path.join(folder, f"critic_{task}.png"), dpi=80), plt.close(fig)
     return out
 
 
@@ -1391,6 +1396,7 @@ def critic_table(summary):
     """docs/critic.md's tables from critic_summary's output: one markdown table per task."""
     fmt = lambda v: ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
     pm = lambda m, sd: f"{m:+.3f}" + (f" ± {sd:.3f}" if sd is not None else "")  # noqa: E731
+    span = lambda lo, hi, f: f"{lo:{f}}" if f"{lo:{f}}" == f"{hi:{f}}" else f"{lo:{f}}-{hi:{f}}"  # noqa: E731
     lines = []
     for task, arms in summary.items():
         base = arms["base"]
@@ -1403,8 +1409,8 @@ def critic_table(summary):
                 lines.append(f"| {arm} | {a['seeds']} | {fmt(a['pass@1_after'])} | "
                              f"{pm(a['gain_pass@1_mean'], a['gain_pass@1_sd'])} | {fmt(a['pass@4_after'])} | "
                              f"{pm(a['gain_pass@4_mean'], a['gain_pass@4_sd'])} | {fmt(a['score_last5'])} | "
-                             f"{min(a['sampled_tokens']) / 1000:.0f}-{max(a['sampled_tokens']) / 1000:.0f}K | "
-                             f"{min(a['median_s_per_update']):.1f}-{max(a['median_s_per_update']):.1f} | "
+                             f"{span(min(a['sampled_tokens']) / 1000, max(a['sampled_tokens']) / 1000, '.0f')}K | "
+                             f"{span(min(a['median_s_per_update']), max(a['median_s_per_update']), '.1f')} | "
                              f"{max(a['peak_gb']):.1f} GB |")
         lines.append("")
     return "\n".join(lines)
@@ -1412,9 +1418,11 @@ def critic_table(summary):
 
 def critic_quick():
     """Issue 53's check that everything runs, in 15 minutes: each task's untrained score and every arm, seed 1,
-    2 updates, 8 held-out questions (its own record, critic_quick_runs; no result)."""
+    one update, 8 held-out questions (its own record, critic_quick_runs, dropped first: a check runs whole; no
+    result)."""
     t0 = time.perf_counter()
-    out = critic_runs("critic_quick_runs", seeds=(1,), updates=2, eval_size=8)
+    trl_record("critic_quick_runs", None, {})
+    out = critic_runs("critic_quick_runs", seeds=(1,), updates=1, eval_size=8)
     return {"summary": out, "minutes": (time.perf_counter() - t0) / 60}
 
 
