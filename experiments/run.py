@@ -1346,15 +1346,15 @@ def critic_summary(key="critic_runs", tasks=CRITIC_TASKS, arms=tuple(CRITIC_ARMS
             out[task][arm] = {"seeds": len(runs), **{f"{k}_after": v for k, v in after.items()},
                               **{f"gain_{k}_mean": round(float(np.mean(v)), 4) for k, v in gain.items()},
                               **{f"gain_{k}_sd": sd(v) for k, v in gain.items()},
-                              "score_last5": [round(float(np.mean([u["score"] for u in r["rows"][-5:]])), 3)
-                                              for r in runs],
+                              "score_last5": [round(float(np.mean([u["score"] for u in r["rows"][-5:]])), 4)
+                                              for r in runs],  # (4 places, 3 GB ones: the tables round once)
                               "sampled_tokens": [sum(u["tokens"] for u in r["rows"]) for r in runs],
                               "median_s_per_update": [round(float(np.median([u["s"] for u in r["rows"][1:]
                                                                              or r["rows"]])), 2) for r in runs],
                               "cpu_s": [round(sum(u["cpu_s"] for u in r["rows"])) for r in runs],  # (the updates':
                               # one thread's CPU, which other work on the cores does not inflate as it does wall_s)
                               "wall_s": [round(r["wall_s"]) for r in runs],
-                              "peak_gb": [round(max(u["peak_mb"] for u in r["rows"]) / 1000, 2) for r in runs]}
+                              "peak_gb": [round(max(u["peak_mb"] for u in r["rows"]) / 1000, 3) for r in runs]}
             n = min(len(r["rows"]) for r in runs)
             score = np.array([[u["score"] for u in r["rows"][:n]] for r in runs])
             for ax, x in zip(axes, ("tokens", "cpu_s")):  # (CPU seconds of a one-thread run: its wall time, less
