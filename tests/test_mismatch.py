@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ppo
-from fp32 import assert_close_fp32
+from fp32 import EPS, assert_close_fp32
 from test_in_process import run_main
 from test_ppo_parts import checked, rollout_batch
 from test_variants import MODES as AGG
@@ -118,21 +118,49 @@ TIGHT = {"token-is": (None, 1.01), "seq-is": (None, 1.01), "icepop": (0.99, 1.01
 
 
 @pytest.mark.parametrize("mode", list(TIGHT))
-def test_each_mode_acts_on_the_gap_of_a_bf16_sampler(world, mode):
+def test_each_mode_acts_on_the_gap_of_a_bf16_sampler(world, mode, monkeypatch):
     """HF samples under bf16 autocast, the trainer scores in fp32: a real gap. Each mode corrects part of the
-    tokens (masks: those leave the losses), the health check still sees a ratio of 1 against the trainer's own."""
+    tokens (masks: those leave the losses), the health check still sees a ratio of 1 against the trainer's own.
+    The IS weights are checked against the log-probs the correction was given, not against 1: under the sampler's
+    distribution the mean of p_trainer / p_sampler is 1 in expectation, so another CPU's bf16 kernels put the
+    sample mean on either side of it (an AMD EPYC gave 1.0006 where this test once asserted < 1)."""
     low, high = TIGHT[mode]
+    calls, correct = [], ppo.rollout_correction
+
+    def recorded(*inputs):  # the real correction; its inputs and outputs kept as they were at the call
+        out = correct(*inputs)
+        calls.append([[x.clone() if torch.is_tensor(x) else x for x in xs] for xs in (inputs, out)])
+        return out
+    monkeypatch.setattr(ppo, "rollout_correction", recorded)
     rows = run_main(f"test_gap_{mode}", sampler_precision="bf16", precision="fp32", rollout_correction=mode,
                     rollout_correction_low=low, rollout_correction_high=high)
-    for r in rows:
+    calls = [c for c in calls if c[0][0].shape != (1, 1)]  # (check_args's probe of the mode's branch left out)
+    assert len(calls) == len(rows)
+    for r, ((trainer, sampler, mask, *_), (weights, kept, corrected)) in zip(rows, calls):
         assert 1e-3 < r["rollout/logprob_diff_mean"] < 0.1 and r["rollout/kl"] != 0
         assert 0 < r["rollout/corrected_tokens"] < 1 and 0 < r["rollout/corrected_responses"] <= 1
         assert r["ppo/policy/ratio_at_start"] < 1e-5
         trained = r["time/trained_tokens"] / (r["time/generated_tokens"] * r["ppo/epochs"])  # (one rank)
         if mode.endswith("mask"):
             assert trained == pytest.approx(1 - r["rollout/corrected_tokens"]) and r["rollout/is_weight_mean"] == 1
-        else:
-            assert trained == 1 and r["rollout/is_weight_mean"] < 1
+            continue
+        assert trained == 1 and torch.equal(kept, mask)  # the IS modes weigh tokens and drop none
+        log_ratio = (trainer - sampler) * mask  # (B, T): log p_trainer / p_sampler, from the correction's inputs
+        if mode == "seq-is":
+            log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1): one ratio a response
+        ratio = (torch.exp(log_ratio.clamp(-20, 20)) * mask).double()  # (B, T)
+        on, off = mask.bool() & corrected.bool(), mask.bool() & ~corrected.bool()  # (B, T): changed or not
+        ulps = 4 * EPS  # exp is within an ulp or two of exact on any CPU; a few ulps cover it and the bounds' rounding
+        torch.testing.assert_close(weights[off].double(), ratio[off], rtol=ulps, atol=0)  # the rest: their ratio
+        if mode == "icepop":  # zeroed where the ratio leaves [low, high], and only there
+            assert (weights[on] == 0).all() and ((ratio[on] < low * (1 + ulps)) | (ratio[on] > high * (1 - ulps))).all()
+            assert ((ratio[off] >= low * (1 - ulps)) & (ratio[off] <= high * (1 + ulps))).all()
+        else:  # a cap: a capped token's weight is the cap itself, and only ratios above it are capped
+            assert (weights[on] == torch.tensor(high)).all() and (ratio[on] >= high * (1 - ulps)).all()
+            assert (ratio[off] <= high * (1 + ulps)).all()
+        expected = torch.where(on, 0.0 if mode == "icepop" else high, ratio)  # (B, T): float64
+        n = int(mask.sum())  # the logged mean: a float32 sum of n positive terms, n * eps apart from exact at most
+        assert r["rollout/is_weight_mean"] == pytest.approx((expected * mask).sum().item() / n, rel=2 * n * EPS)
 
 
 @pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
