@@ -101,8 +101,10 @@ def test_gold_as_the_reward_function_trains_the_toy_world(world):
     out, rows = run("test_gold_fn", "--reward-fn", "toy:gold_reward")
     assert all("objective/reward_model" not in r for r in rows)  # no reward model was loaded
     gold = [r["objective/gold"] for r in rows]
-    # 0.32 -> 0.76 on 2026-12-04's packages (0.8+ before): the trajectory moves with the numerics, the gain stays
-    assert gold[0] <= 0.5 and np.mean(gold[-len(gold) // 10:]) >= 0.7, gold
+    # 0.32 -> 0.76 on 2026-12-04's packages (0.8+ before), 0.25 -> 0.97 on 2026-12-06's: the level moves with
+    # the numerics, so the test asks for a gain beyond the sampling noise. An update's gold is a mean of 64 responses
+    # in [0, 1] (standard error <= 0.5 / 8); the last tenth's mean minus the first: <= 0.0625 * sqrt(1 + 1 / 10)
+    assert gold[0] <= 0.5 and np.mean(gold[-len(gold) // 10:]) - gold[0] > 3 * 0.0625 * (1 + 1 / 10) ** 0.5, gold
 
 
 RGYM = dict(dataset="reasoning-gym:chain_sum", dataset_options='{"size": 64, "max_terms": 2, "max_digits": 1}',

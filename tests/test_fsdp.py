@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from fp32 import assert_close_fp32
+from fp32 import assert_close_fp32, ratio_tolerance
 
 
 def free_port():
@@ -34,7 +34,8 @@ def test_two_ranks_update_equals_one_process(world, tmp_path, lora):
         out = torchrun(n, "tests/fsdp_update.py", str(tmp_path / f"w{n}.pt"), *["--lora"] * lora)
         assert out.returncode == 0, out.stderr[-3000:]
         results[n] = torch.load(tmp_path / f"w{n}.pt", weights_only=True)
-    torch.testing.assert_close(results[2]["advantages"], results[1]["advantages"], atol=1e-6, rtol=0)
+    advantages = results[1]["advantages"]  # whitened by a mean and a variance summed over the ranks' tokens
+    assert_close_fp32(results[2]["advantages"], advantages, advantages.numel())
     # the gradient before any step: each rank's loss x N, averaged by FSDP, is the whole minibatch's
     one, two = results[1]["grads"], results[2]["grads"]
     assert one.keys() == two.keys() and max(g.abs().max().item() for g in one.values()) > 1e-3
@@ -162,7 +163,7 @@ def test_two_rank_lora_run_resumes_exactly_and_saves_its_adapters(world):
     assert out.returncode == 0, out.stderr[-3000:]
     resumed = [json.loads(line) for line in open("runs/test_fsdp_lora/metrics.jsonl")]
     assert [r["step"] for r in resumed] == [1, 2, 3] and without_timings(resumed) == without_timings(straight)
-    assert all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in straight)
+    assert all(r["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy") for r in straight)
     whole = checkpoint_contents("runs/test_fsdp_lora/checkpoints/step_3")
     policy_opt, critic_opt = whole["policy_adamw"]["state"], whole["critic_adamw"]["state"]
     assert all(".lora_" in k for k in policy_opt) and all(".lora_" in k or ".score." in k for k in critic_opt)

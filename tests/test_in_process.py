@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
+from fp32 import logprob_tolerance
 
 
 def rows_of(name):
@@ -66,13 +67,21 @@ MICRO = dict(micro_batch_size=8, num_minibatches=2)  # the setting where bf16 ro
 
 
 @pytest.mark.mutants  # outside the fast subset for its time; the mutation check runs it
-def test_bf16_passes_its_own_health_check(world):
+def test_bf16_passes_its_own_health_check(world, monkeypatch):
     # bf16 autocast on a CPU rounds like a GPU's: the rollout and training passes see micro-batches of other
-    # rows and lengths, so single tokens differ by up to a few percent; the mean over the minibatch does not
+    # rows and lengths, so single tokens may differ by a few percent; the mean over the minibatch stays within the
+    # check's default tolerance. How far within, and whether a token differs at all, is the CPU's bf16 kernels'
+    # (AMX, AVX-512 BF16 and AVX2 round other partial sums): that bf16 was on is read from the autocast itself
+    autocast, logprobs = [], ppo.policy_logprobs
+
+    def seen(*a, **k):
+        if torch.is_grad_enabled():  # the training forwards (the no-grad ones include the chunked head's probe)
+            autocast.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return logprobs(*a, **k)
+    monkeypatch.setattr(ppo, "policy_logprobs", seen)
     rows = run_main("test_bf16", precision="bf16", total_episodes=20 * 32, batch_size=32, **MICRO)
-    assert len(rows) == 20
-    assert max(r["ppo/policy/ratio_at_start"] for r in rows) < 1e-2 / 5  # (the default tolerance of a recomputed pass)
-    assert max(r["ppo/policy/ratio_max_at_start"] for r in rows) > 1e-3  # bf16 really was on: fp32 stays < 1e-5
+    assert len(rows) == 20 and len(autocast) >= 20 and all(autocast)
+    assert max(r["ppo/policy/ratio_at_start"] for r in rows) < 1e-2  # the default tolerance of a recomputed pass
     assert rows[-1]["objective/gold"] > rows[0]["objective/gold"]
 
 
@@ -158,7 +167,8 @@ def test_a_non_finite_log_prob_on_padding_reaches_nothing(world, monkeypatch):
 @pytest.mark.fast
 def test_critic_warmup_moves_the_critic_and_not_the_policy(world):
     rows = run_main("test_warmup", critic_warmup_updates=1, total_episodes=32, batch_size=32)  # all warm-up
-    assert rows[0]["ppo/policy/approxkl_avg"] == 0  # the policy never moved within the update
+    # the policy never moved within the update: 1/2 (log ratio)^2 of two passes that differ only in fp32's rounding
+    assert rows[0]["ppo/policy/approxkl_avg"] <= logprob_tolerance(world[0]) ** 2 / 2
     policy = AutoModelForCausalLM.from_pretrained("runs/test_warmup/policy").state_dict()
     initial = AutoModelForCausalLM.from_pretrained(world[0]).state_dict()
     assert all(torch.equal(policy[k], initial[k]) for k in initial)

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 import envs
 import ppo
 import real_models
+from fp32 import assert_close_fp32, logprob_tolerance, ratio_tolerance
 from gae import compute_gae, compute_gae_over_actions
 
 ENVS = "envs"  # tests/envs.py, imported as a module: the same one the tests read the log of
@@ -235,7 +236,7 @@ def test_the_kl_is_on_the_agents_tokens_only_and_the_passes_agree(episodes):
     observations = (rollout.attention_mask[:, P:] == 1) & (rollout.mask == 0)  # (B, T)
     assert observations.any() and (rollout.kl[observations] == 0).all()
     assert (rollout.kl[rollout.mask == 1] != 0).any()
-    assert all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)  # fp32: rollout and training passes agree
+    assert all(r["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy") for r in rows)  # fp32: they agree
 
 
 @pytest.mark.fast
@@ -384,8 +385,8 @@ def test_two_ranks_train_on_episodes_as_one_process(tmp_path, monkeypatch):
         results[n] = torch.load(tmp_path / f"w{n}.pt", weights_only=True)
     one, two = results[1]["grads"], results[2]["grads"]
     assert max(g.abs().max().item() for g in one.values()) > 1e-3
-    for k in one:
-        torch.testing.assert_close(two[k], one[k], atol=1e-6, rtol=0, msg=k)
+    for k in one:  # a weight's gradient sums over every position of the batch; two ranks group the sum otherwise
+        assert_close_fp32(two[k], one[k], int(rollout.attention_mask.sum()), msg=k)
     for model in ("policy", "critic"):
         for k in results[1][model]:
             torch.testing.assert_close(results[2][model][k], results[1][model][k], atol=1e-5, rtol=0)
@@ -402,7 +403,8 @@ def test_the_engine_scores_episodes_as_the_trainer_does():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open("runs/test_vllm_episodes/metrics.jsonl")]
     assert len(rows) == 2 and all(r["env/turns"] == 3 for r in rows)
-    assert all(r["rollout/logprob_diff_mean"] < 1e-5 for r in rows), [r["rollout/logprob_diff_mean"] for r in rows]
+    tol = logprob_tolerance("runs/toy/policy")  # the engine's kernels and the trainer's: two orders of fp32 sums
+    assert all(r["rollout/logprob_diff_mean"] < tol for r in rows), [r["rollout/logprob_diff_mean"] for r in rows]
 
 
 @pytest.mark.fast
@@ -415,7 +417,7 @@ def test_the_docs_example_env_runs(tmp_path):
     ppo.main(ppo.Args(env=f"{tmp_path}/maze.py:Maze", max_turns=8, total_episodes=16, batch_size=16,
                       num_ppo_epochs=1, save_every=0, run_name="test_maze", response_length=4))
     row = json.loads(open("runs/test_maze/metrics.jsonl").readline())
-    assert 1 < row["env/turns"] <= 8 and row["ppo/policy/ratio_at_start"] < 1e-6
+    assert 1 < row["env/turns"] <= 8 and row["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy")
 
 
 def test_episodes_are_exact_through_a_kill_and_resume():
@@ -445,7 +447,7 @@ def test_every_variant_runs_with_episodes(flags):
     ppo.main(ppo.Args(env=f"{ENVS}:Replies", total_episodes=32, batch_size=16, num_ppo_epochs=2, save_every=0,
                       run_name="test_env_variants", **{"max_turns": 3, **flags}))
     rows = [json.loads(line) for line in open("runs/test_env_variants/metrics.jsonl")]
-    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
+    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy") for r in rows)
 
 
 @pytest.mark.mutants  # (the mutation check runs it: one mutant only two ranks show)
@@ -467,7 +469,7 @@ def test_torchrun_plays_episodes_of_different_lengths_on_each_rank(tmp_path):
         counts.append((len(ended[0]), len(ended[1])))
         assert row["env/turns"] == pytest.approx(np.mean(np.minimum(turns, 3)), abs=1e-6)
         assert row["env/turns_when_ended"] == pytest.approx(np.mean(ended[0] + ended[1]), abs=1e-6)
-    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-6 for r in rows)
+    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy") for r in rows)
     assert any(a != b for a, b in counts)  # (where the ranks' counts are equal, the mean of their means is right too)
 
 

@@ -9,7 +9,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 import ppo
 import toy
-from fp32 import assert_close_fp32
+from fp32 import assert_close_fp32, fp32_tolerance
 from test_ppo_parts import checked
 
 pytestmark = pytest.mark.fast
@@ -47,7 +47,11 @@ def sampled_batch(world, temperature=T_HOT, top_k=0, B=16, response_length=8, se
                                                 max_new_tokens=response_length, eos_token_id=tok.eos_token_id,
                                                 pad_token_id=tok.pad_token_id)
     prompt_ids = [tok(p).input_ids for p in toy.prompts(B, seed=seed)]
-    qr, am, lengths, has_eos, mask, P, _ = ppo.generate(policy, tok, prompt_ids, torch.device("cpu"))
+    for draw in range(1, 21):  # the world is trained on the CPU that runs this, so whether one draw holds both an
+        qr, am, lengths, has_eos, mask, P, _ = ppo.generate(policy, tok, prompt_ids, torch.device("cpu"))
+        if has_eos.any() and not has_eos.all():  # ended and a cut response differs by CPU: draw again until it does
+            break  # (a draw misses at most ~30% of the time on these lengths: 20 misses in a row, < 1e-10)
+        torch.manual_seed(seed + 1000 * draw)
     assert len(set(am[:, :P].sum(1).tolist())) > 1 and has_eos.any() and not has_eos.all()  # padding both sides
     return policy, qr, am, lengths, mask, P
 
@@ -74,7 +78,8 @@ def test_rollout_passes_equal_each_row_alone(world, chunk):
         with torch.no_grad():  # V before response token j: the classifier read after prompt + response[:j]
             want_values = torch.stack([seq_cls(ids[None, :p + j]).logits[0, 0] for j in range(n + 1)])
         assert_close_fp32(values[i, :n], want_values[:n], TOY_SUM)
-        assert_close_fp32(next_values[i], want_values[n], TOY_SUM)  # the bootstrap value
+        bootstrap = fp32_tolerance(want_values, TOY_SUM)  # its rounding is the row's values', however small it is
+        torch.testing.assert_close(next_values[i], want_values[n], atol=bootstrap, rtol=0, msg="the bootstrap value")
         assert (values[i, n:] == 0).all()
 
 
@@ -268,9 +273,14 @@ def test_the_written_out_head_backward_equals_autograd_through_the_plain_head(ca
     (lp0, ent0, g0), (lp1, ent1, g1) = out
     for name in g0:
         assert g0[name].abs().max() > 1e-3, name
-    if case == "bf16":  # another matmul shape may round a logit one bf16 ulp (2^-8) apart
-        torch.testing.assert_close(lp1, lp0, atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(ent1, ent0, atol=2e-3, rtol=2e-3)
+    if case == "bf16":  # the body's states are the same; the head's matmul shape is not, and may round a logit one
+        with torch.no_grad(), amp:  # bf16 ulp apart (on a CPU whose kernel sums another shape in another order)
+            s = ppo.forward(model, qr, am).logits.float().abs().max() / T_HOT  # the largest |logit| / T
+        u = 2.0 ** (torch.floor(torch.log2(s * T_HOT)) - 7).item() / T_HOT  # one bf16 ulp of it (8 bits), over T
+        # each s_j moving by u at most (mean value theorem): log p = s_y - logsumexp(s) by 2u; the entropy, whose
+        # slope in s_j is -p_j (s_j - E s), by u * sum_j p_j |s_j - E s| <= 2u (max|s| + u)
+        torch.testing.assert_close(lp1, lp0, atol=2 * u, rtol=0)
+        torch.testing.assert_close(ent1, ent0, atol=2 * u * (float(s) + u), rtol=0)
         for name in g0:
             torch.testing.assert_close(g1[name], g0[name], atol=2e-2, rtol=2e-2, msg=name)
         return

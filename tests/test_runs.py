@@ -60,7 +60,9 @@ def test_a_checkpoint_stored_in_bf16_trains_in_fp32_and_is_saved_in_bf16(world, 
             had_gradient = s["exp_avg"] != 0
             moved += ((stepped[key] != start[key].float()) & had_gradient).sum().item()
             total += had_gradient.sum().item()
-        assert total > 1000 and moved / total > 0.99, (name, moved, total)
+        # fp32 keeps steps of 2^-24 of a weight, bf16 only of 2^-9: in bf16 about 1% would move. How many of fp32's
+        # steps survive rounding rests on the world each CPU trains (its smallest gradients): 99.8% here; half tells
+        assert total > 1000 and moved / total > 0.5, (name, moved, total)
     for name in ("policy", "critic"):  # the final models as the checkpoint came: bf16
         assert json.load(open(f"runs/test_bf16_stored/{name}/config.json"))["dtype"] == "bfloat16"
         assert all(t.dtype == torch.bfloat16 for t in load_file(f"runs/test_bf16_stored/{name}/model.safetensors")

@@ -227,5 +227,5 @@ def test_the_keyed_sampler_draws_from_hfs_distribution_and_a_row_only_from_its_k
     alone = ppo.generate(policy, tok, prompts[2:], torch.device("cpu"), keys=[33])
     n2 = int(together[2][2])
     assert n2 > 1 and together[0][2, -together[2].max():][:n2].tolist() == alone[0][0, -alone[2].max():][:n2].tolist()
-    other = ppo.generate(policy, tok, prompts[2:], torch.device("cpu"), keys=[34])
-    assert other[0].tolist() != alone[0].tolist()  # (another key, other tokens)
+    others = [ppo.generate(policy, tok, prompts[2:], torch.device("cpu"), keys=[key])[0] for key in (34, 35, 36, 37)]
+    assert any(o.tolist() != alone[0].tolist() for o in others)  # other keys, other tokens (one alike: ~0.5%)

@@ -18,6 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import smollm2  # noqa: E402
 
+# SmolLM2's fp32 passes, the rollout's and the training's (other batch shapes), 30 layers deep: 1e-6 and 1.9e-6 apart
+# on two CI runs here. Another CPU adds the same sums in other orders, with the same eps and the same weights, so a
+# like amount: 1e-4 leaves that 50x, a hundredth of the check's own tolerance, and a wrong mask or position (1e-3)
+# still fails. (fp32.py's bound from the weights, 3e-2 on this model, is too loose to test anything.)
+RATIO_FP32 = 1e-4
 FLAGS = dict(dataset="runs/smollm2/sums.jsonl", reward_fn="smollm2.py:reward", total_episodes=4, batch_size=4,
              response_length=24, micro_batch_size=2, num_ppo_epochs=1, eval_fraction=0.0, sample_every=1,
              learning_rate=1e-6, critic_learning_rate=1e-5, max_prompt_length=128, save_every=0)
@@ -39,7 +44,7 @@ def test_one_update_on_smollm2(smol, capsys):
     out = capsys.readouterr().out
     assert "responses end at '<|im_end|>' (2)" in out and "padded with '<|endoftext|>' (id 0)" in out
     row = json.loads(open("runs/test_smollm2/metrics.jsonl").readline())
-    assert row["ppo/policy/ratio_at_start"] < 1e-5 and row["objective/kl"] == 0.0
+    assert row["ppo/policy/ratio_at_start"] < RATIO_FP32 and row["objective/kl"] == 0.0
     assert row["ppo/val/eos_rate"] >= 0.5  # a real instruct model ends most of its answers within 24 tokens
     # the saved policy is SmolLM2's own tokenizer and generation config, and still stops at <|im_end|>
     saved = "runs/test_smollm2/policy"
@@ -105,9 +110,7 @@ def test_smollm2_plays_a_textarena_game_through_its_chat_template(smol, monkeypa
                       max_prompt_length=192, total_episodes=4, batch_size=4, micro_batch_size=2, num_ppo_epochs=1,
                       learning_rate=1e-6, critic_learning_rate=1e-5, save_every=0, run_name="test_smollm2_arena"))
     row = json.loads(open("runs/test_smollm2_arena/metrics.jsonl").readline())
-    # fp32 rounding through 30 layers, rollout and training passes in other batch shapes: below 1e-6 on one
-    # CI run, 1.86e-6 on the next (a 1e-3 disagreement is what a wrong mask or position gives)
-    assert row["ppo/policy/ratio_at_start"] < 1e-5
+    assert row["ppo/policy/ratio_at_start"] < RATIO_FP32
     tok = AutoTokenizer.from_pretrained(smol)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
@@ -141,7 +144,7 @@ def test_smollm2_trains_on_a_reasoning_gym_task(smol):
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(open("runs/test_rgym/metrics.jsonl").readline())
     assert json.load(open("runs/test_rgym/config.json"))["reward_fn"] == "reasoning-gym"
-    assert row["ppo/policy/ratio_at_start"] < 1e-5 and 0 <= row["objective/reward_fn"] <= 1
+    assert row["ppo/policy/ratio_at_start"] < RATIO_FP32 and 0 <= row["objective/reward_fn"] <= 1
     assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1
     samples = [json.loads(line) for line in open("runs/test_rgym/samples.jsonl")]
     assert all(s["prompt"][0]["content"].endswith("Reply with the final answer alone.") for s in samples)

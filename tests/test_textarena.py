@@ -6,6 +6,7 @@ import pytest
 
 import ppo
 import adapters
+from fp32 import ratio_tolerance
 
 pytestmark = pytest.mark.fast
 GAME = "GuessTheNumber-v0"  # 1..20 in 10 turns; a guess is a number in square brackets
@@ -60,7 +61,8 @@ def test_a_short_run_on_a_textarena_game(monkeypatch):
     ppo.main(ppo.Args(env=f"textarena/{GAME}", max_turns=2, response_length=4, total_episodes=16, batch_size=8,
                       num_ppo_epochs=1, save_every=0, sample_every=1, run_name="test_textarena"))
     rows = [json.loads(line) for line in open("runs/test_textarena/metrics.jsonl")]
-    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < 1e-6 and r["env/turns"] >= 1 for r in rows)
+    tol = ratio_tolerance("runs/toy/policy")
+    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < tol and r["env/turns"] >= 1 for r in rows)
     sample = json.loads(open("runs/test_textarena/samples.jsonl").readline())  # (the toy's vocabulary: mostly <unk>)
     assert sample["prompt"] and sample["response"]
 
