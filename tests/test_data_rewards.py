@@ -15,6 +15,15 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 import toy
 
+
+def gold_gain_beyond_noise(gold, k=10, batch=64):
+    """The toy world learned: the mean gold of the last k updates is above the first by more than three standard
+    errors of sampling noise (an update's gold is a mean of `batch` responses in [0, 1], standard error <= 0.5 /
+    sqrt(batch), so the difference's is <= that * sqrt(1 + 1 / k)). The level reached moves with the world each CPU
+    trains and with the packages' numerics (0.32 -> 0.76 on 2026-12-04's, 0.25 -> 0.97 on 2026-12-06's)."""
+    return sum(gold[-k:]) / k - gold[0] > 3 * 0.5 / batch ** 0.5 * (1 + 1 / k) ** 0.5
+
+
 CHAT = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}assistant :{% endif %}")
 REWARD_FN = '''
@@ -101,10 +110,7 @@ def test_gold_as_the_reward_function_trains_the_toy_world(world):
     out, rows = run("test_gold_fn", "--reward-fn", "toy:gold_reward")
     assert all("objective/reward_model" not in r for r in rows)  # no reward model was loaded
     gold = [r["objective/gold"] for r in rows]
-    # 0.32 -> 0.76 on 2026-12-04's packages (0.8+ before), 0.25 -> 0.97 on 2026-12-06's: the level moves with
-    # the numerics, so the test asks for a gain beyond the sampling noise. An update's gold is a mean of 64 responses
-    # in [0, 1] (standard error <= 0.5 / 8); the last tenth's mean minus the first: <= 0.0625 * sqrt(1 + 1 / 10)
-    assert gold[0] <= 0.5 and np.mean(gold[-len(gold) // 10:]) - gold[0] > 3 * 0.0625 * (1 + 1 / 10) ** 0.5, gold
+    assert gold[0] <= 0.5 and gold_gain_beyond_noise(gold, k=len(gold) // 10), gold
 
 
 RGYM = dict(dataset="reasoning-gym:chain_sum", dataset_options='{"size": 64, "max_terms": 2, "max_digits": 1}',

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from test_data_rewards import gold_gain_beyond_noise
+
 DOCS = ["README.md", "experiments/README.md", *sorted(glob.glob("docs/*.md"))]
 MAP_HEADING, ABLATIONS = "## Reading ppo.py", "docs/ablations.md"
 
@@ -204,9 +206,7 @@ def test_the_readmes_first_fork_recipe_learns_the_toy_world(tmp_path):
     assert json.load(open("runs/test_fork/config.json"))["adv_estimator"] == "reinforce++"
     assert not os.path.exists("runs/test_fork/critic") and "gold" in out.stdout
     gold = [r["objective/gold"] for r in rows]
-    # a gain beyond the sampling noise (the level reached moves with the world each CPU trains): an update's gold is
-    # a mean of 64 responses in [0, 1], standard error <= 1 / 16; the last ten's mean minus the first, 0.066
-    assert sum(gold[-10:]) / 10 > gold[0] + 3 * 0.0625 * (1 + 1 / 10) ** 0.5, gold
+    assert gold_gain_beyond_noise(gold), gold
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])

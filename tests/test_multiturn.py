@@ -236,7 +236,8 @@ def test_the_kl_is_on_the_agents_tokens_only_and_the_passes_agree(episodes):
     observations = (rollout.attention_mask[:, P:] == 1) & (rollout.mask == 0)  # (B, T)
     assert observations.any() and (rollout.kl[observations] == 0).all()
     assert (rollout.kl[rollout.mask == 1] != 0).any()
-    assert all(r["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy") for r in rows)  # fp32: they agree
+    tol = ratio_tolerance("runs/toy/policy")
+    assert all(r["ppo/policy/ratio_at_start"] < tol for r in rows)  # fp32: rollout and training passes agree
 
 
 @pytest.mark.fast
@@ -447,7 +448,8 @@ def test_every_variant_runs_with_episodes(flags):
     ppo.main(ppo.Args(env=f"{ENVS}:Replies", total_episodes=32, batch_size=16, num_ppo_epochs=2, save_every=0,
                       run_name="test_env_variants", **{"max_turns": 3, **flags}))
     rows = [json.loads(line) for line in open("runs/test_env_variants/metrics.jsonl")]
-    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy") for r in rows)
+    tol = ratio_tolerance("runs/toy/policy")
+    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < tol for r in rows)
 
 
 @pytest.mark.mutants  # (the mutation check runs it: one mutant only two ranks show)
@@ -469,7 +471,8 @@ def test_torchrun_plays_episodes_of_different_lengths_on_each_rank(tmp_path):
         counts.append((len(ended[0]), len(ended[1])))
         assert row["env/turns"] == pytest.approx(np.mean(np.minimum(turns, 3)), abs=1e-6)
         assert row["env/turns_when_ended"] == pytest.approx(np.mean(ended[0] + ended[1]), abs=1e-6)
-    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < ratio_tolerance("runs/toy/policy") for r in rows)
+    tol = ratio_tolerance("runs/toy/policy")
+    assert len(rows) == 2 and all(r["ppo/policy/ratio_at_start"] < tol for r in rows)
     assert any(a != b for a, b in counts)  # (where the ranks' counts are equal, the mean of their means is right too)
 
 

@@ -47,10 +47,12 @@ def sampled_batch(world, temperature=T_HOT, top_k=0, B=16, response_length=8, se
                                                 max_new_tokens=response_length, eos_token_id=tok.eos_token_id,
                                                 pad_token_id=tok.pad_token_id)
     prompt_ids = [tok(p).input_ids for p in toy.prompts(B, seed=seed)]
-    for draw in range(1, 21):  # the world is trained on the CPU that runs this, so whether one draw holds both an
+    # whether a draw holds both an ended and a cut response depends on the world, which each CPU trains itself:
+    # draw again until one does (a draw misses ~30% of the time at most here: 20 misses in a row, < 1e-10)
+    for draw in range(1, 21):
         qr, am, lengths, has_eos, mask, P, _ = ppo.generate(policy, tok, prompt_ids, torch.device("cpu"))
-        if has_eos.any() and not has_eos.all():  # ended and a cut response differs by CPU: draw again until it does
-            break  # (a draw misses at most ~30% of the time on these lengths: 20 misses in a row, < 1e-10)
+        if has_eos.any() and not has_eos.all():
+            break
         torch.manual_seed(seed + 1000 * draw)
     assert len(set(am[:, :P].sum(1).tolist())) > 1 and has_eos.any() and not has_eos.all()  # padding both sides
     return policy, qr, am, lengths, mask, P
