@@ -286,7 +286,8 @@ class Args:
     rollout_correction: Opt(Literal[tuple(ROLLOUT_CORRECTIONS)]) = None
     """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (docs/mismatch.md; None = off)"""
     rollout_correction_low: OptFloat = None
-    """lowest ratio kept: p_trainer / p_sampler in IS modes, p_sampler / p_trainer in masks (None: the mode's)"""
+    """lowest ratio kept: p_trainer / p_sampler in IS modes, p_sampler / p_trainer in masks; 0: no lower bound;
+    token-is and seq-is cap, and take none (None: the mode's)"""
     rollout_correction_high: OptFloat = None
     """highest ratio kept (IS modes: the weights' cap), the ratio of --rollout-correction-low (None: the mode's)"""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -370,7 +371,8 @@ class Args:
         if self.rollout_correction:  # the mode's published bounds (ROLLOUT_CORRECTIONS), where not given
             low, high = ROLLOUT_CORRECTIONS[self.rollout_correction][1:]
             self.rollout_correction_low = low if self.rollout_correction_low is None else self.rollout_correction_low
-            self.rollout_correction_high = self.rollout_correction_high or high
+            self.rollout_correction_high = (high if self.rollout_correction_high is None
+                                            else self.rollout_correction_high)  # (0 is refused, not the default)
         bf16_forwards = self.precision == "bf16" or (self.precision == "auto" and torch.cuda.is_available())
         if self.lora_base_dtype == "auto":  # FSDP2 shards one dtype per layer: fp32 under torchrun
             self.lora_base_dtype = "bf16" if self.lora_rank and bf16_forwards and world == 1 else "fp32"
@@ -449,17 +451,19 @@ class KeyedSampler(transformers.LogitsProcessor):
     key draws its uniforms, and each step takes the token at which the cumulative sum of the filtered distribution
     passes the step's uniform (inverse-CDF sampling); the scores become that token's one-hot, for greedy decoding to
     take. A row's tokens thus depend on its key and the weights alone, not on its rank or its batch. Keeps log p of
-    each drawn token under softmax(logits / tau), the sampler's log-probs."""
+    each drawn token on the support it was drawn from (what --keep-sampling-mask scores), the sampler's log-probs."""
     def __init__(self, keys, sampling, device):
         steps = sampling.max_new_tokens or sampling.max_length
-        self.uniform = torch.stack([torch.rand(steps, generator=torch.Generator(device).manual_seed(k), device=device)
-                                    for k in keys])  # (B, steps)
+        self.uniform = torch.stack([torch.rand(steps, generator=torch.Generator(device).manual_seed(k), device=device,
+                                               dtype=torch.float64) for k in keys])  # (B, steps)
         self.sampling, self.taken = sampling, []
 
     def __call__(self, input_ids, scores):
         tau, top_k, top_p = self.sampling.temperature, self.sampling.top_k or 0, self.sampling.top_p or 1.0
         logits = scores.float() / tau  # (B, V)
-        cdf = torch.softmax(logits.masked_fill(~sampling_support(logits, top_k, top_p), -math.inf), -1).cumsum(1)
+        logits = logits.masked_fill(~sampling_support(logits, top_k, top_p), -math.inf)  # (B, V): the kept support
+        # in float64: a float32 running sum past 1 - 1e-8 stops growing, and a 152k vocabulary's tail gets no width
+        cdf = torch.softmax(logits.double(), -1).cumsum(1)  # (B, V)
         u = self.uniform[:, len(self.taken), None] * cdf[:, -1:]  # (B, 1): below the sum, however it rounded
         token = torch.searchsorted(cdf, u, right=True).squeeze(1)  # (B,): the first token whose cdf passes u
         self.taken.append(torch.log_softmax(logits, -1).gather(1, token[:, None]))  # (B, 1)
@@ -647,7 +651,8 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     B, T = mask.shape
     lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
-    ref_logprobs, entropy = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T)
+    ref_logprobs = torch.zeros_like(logprobs)  # (B, T)
+    entropy = torch.full_like(logprobs, 0.0 if policy is not None else math.nan)  # (B, T): NaN until a pass fills it
     values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
     kept_pos, kept_tok, keep = [], [], None  # the sampler's support: (position in B*T, token id) pairs, not B x T x V
     for rows in micro_batches(lengths, P, micro, budget):  # (b,) row indices each
@@ -861,14 +866,16 @@ def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
         if mode == "seq-is":  # one weight a response: the product of its tokens' ratios
             log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1)
         raw = torch.exp(log_ratio.clamp(-20, 20)) * mask  # (B, T): veRL bounds the log-ratio at +-20
-        weights = raw.clamp(max=high) if low is None else raw * ((raw >= low) & (raw <= high))  # (B, T)
+        capped = mode in ("token-is", "seq-is")  # (a cap; icepop and decoupled zero the weights out of bounds)
+        weights = raw.clamp(max=high) if capped else raw * ((raw >= low) & (raw <= high))  # (B, T)
         return weights, mask, (weights != raw).float() * mask
     if mode not in ("token-mask", "seq-mask", "geo-mask"):  # (a fork's typo: no default)
         fail(f"--rollout-correction {mode!r} has no branch in rollout_correction ({', '.join(ROLLOUT_CORRECTIONS)})")
     k1 = -log_ratio.clamp(-20, 20)  # (B, T): log p_sampler / p_trainer, the statistic veRL's masks bound
     if mode != "token-mask":  # seq-mask: its sum over the response; geo-mask: its mean, a geometric mean ratio
         k1 = k1.sum(1, keepdim=True) / (mask.sum(1, keepdim=True).clamp(min=1) if mode == "geo-mask" else 1)  # (B, 1)
-    out = ((k1 < math.log(low)) | (k1 > math.log(high))).float() * mask  # (B, T): masked out of the losses
+    floor = math.log(low) if low > 0 else -math.inf  # (low 0: no lower bound)
+    out = ((k1 < floor) | (k1 > math.log(high))).float() * mask  # (B, T): masked out of the losses
     return torch.ones_like(mask), mask - out, out
 
 
@@ -892,10 +899,10 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature,
                                                            args.ent_coef > 0 or fill, keep, chunk=args.logprob_chunk)
-        if fill:  # (b, t) each: detached, as phase 3's no-grad pass would have given them
-            rollout.entropy[idx, :t] = new_entropy.detach() * mc_mask
+        if fill:  # (b, t) each: detached, as phase 3's no-grad pass would have given them, on every response token
+            rollout.entropy[idx, :t] = new_entropy.detach() * rollout.mask[idx, :t]
             if args.old_logprobs == "on-policy":  # one epoch, one minibatch: nothing stepped since the sampler drew
-                rollout.logprobs[idx, :t] = new_logprobs.detach() * mc_mask
+                rollout.logprobs[idx, :t] = new_logprobs.detach() * rollout.mask[idx, :t]
         old_logprobs = rollout.logprobs[idx, :t]  # (b, t)
         new_logprobs = torch.where(mc_mask.bool(), new_logprobs, old_logprobs)  # (b, t): padding: ratio 1, no NaN
         pg_losses, ratio, logratio, pg_clipped = policy_objective(
@@ -1377,6 +1384,9 @@ def check_args(args, world):
     if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto" or args.async_steps):
         fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm, --sampler-precision or "
              "--async-steps 1")
+    if args.rollout_correction in ("token-is", "seq-is") and args.rollout_correction_low is not None:
+        fail(f"--rollout-correction {args.rollout_correction} caps its weights at --rollout-correction-high and has no "
+             "lower bound: drop --rollout-correction-low, or use icepop to zero the weights outside [low, high]")
     if (args.rollout_correction_low or 0) > (args.rollout_correction_high or math.inf):
         fail("--rollout-correction-low must be at most --rollout-correction-high")
     if args.ptx_coef > 0 and args.ptx_dataset is None and args.model not in WORLDS:
@@ -2476,7 +2486,8 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
                "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item()}),
            "objective/kl_coef": kl_coef, "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
            "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
-           "objective/entropy": masked_mean(rollout.entropy, mask).item(),
+           # the tokens a pass saw (phase 3's, or epoch 0's where --old-logprobs skips it and --target-kl stops early)
+           "objective/entropy": masked_mean(rollout.entropy.nan_to_num(), mask * rollout.entropy.isfinite()).item(),
            "ppo/policy/approxkl_avg": stats["approxkl"] / n, "ppo/policy/clipfrac_avg": stats["pg_clip"] / n,
            **{f"ppo/policy/clipfrac_epoch{k + 1}": c for k, c in enumerate(epoch_clipfrac)},
            "ppo/epochs": len(epoch_clipfrac), **health,
@@ -2489,7 +2500,8 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
            "time/generated_tokens": global_sum(mask.sum().long()).item(), "time/trained_tokens": stats["tokens"],
            "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
                            else peak_rss_mb())}
-    if rollout.engine_logprobs is not None:  # how far the sampler's log-probs are from the trainer's, same tokens
+    if rollout.engine_logprobs is not None and args.old_logprobs != "sampler":  # (sampler: no trainer's to compare;
+        # ppo/policy/ratio_at_start is then the gap) how far the sampler's log-probs are from the trainer's
         log_ratio = (rollout.logprobs - rollout.engine_logprobs) * mask  # (B, T): log p_trainer / p_sampler
         ratio = torch.exp(log_ratio)  # (B, T)
         row.update({"rollout/logprob_diff_mean": masked_mean(log_ratio.abs(), mask).item(),

@@ -1,5 +1,5 @@
-"""Mutation check: bugs that real PPO trainers have had, each a one-line edit of ppo.py or gae.py, and the
-fast tests that must fail on each.
+"""Mutation check: bugs that real PPO trainers have had, each a one-line edit of ppo.py, gae.py or adapters.py,
+and the fast tests that must fail on each.
 
     python tests/mutants.py                  # every mutant; prints a table: mutant -> the test that killed it
     python tests/mutants.py --all            # every test that kills each mutant, not only the first (slower)
@@ -22,6 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+MUTATED = ("ppo.py", "gae.py", "adapters.py")
 # (name, file, the text as it is, the text as the bug has it): each text occurs exactly once in its file
 MUTANTS = [
     # temperature: every log-prob and the entropy come from logits / T
@@ -113,10 +114,10 @@ MUTANTS = [
     ("head-backward-entropy-sign", "ppo.py",
      "grad.mul_(s.mul_(g_entropy[:, None]).add_(g)).neg_()", "grad.mul_(s.mul_(-g_entropy[:, None]).add_(g)).neg_()"),
     # the state the loop changes, and the warm-up
-    ("kl-coef-not-restored", "ppo.py",
-     "kl_coef, first_update, best = restore(", "_, first_update, best = restore("),
-    ("best-not-restored", "ppo.py",
-     "kl_coef, first_update, best = restore(", "kl_coef, first_update, _ = restore("),
+    ("kl-coef-not-saved", "ppo.py", "(dict(step=update, kl_coef=kl_coef, best=best,",
+     "(dict(step=update, kl_coef=args.kl_coef, best=best,"),
+    ("best-not-saved", "ppo.py", "(dict(step=update, kl_coef=kl_coef, best=best,",
+     "(dict(step=update, kl_coef=kl_coef, best=-math.inf,"),
     ("critic-warmup-steps-no-optimizer", "ppo.py",
      "else optimizers[1:]  # warm-up: critic only", "else []  # warm-up: critic only"),
     ("critic-warmup-steps-the-policy", "ppo.py",
@@ -215,19 +216,19 @@ MUTANTS = [
     ("observation-delta-keeps-the-sampled-stop-token", "ppo.py",
      "end = end.split(stop_text, 1)[1]", "end = end"),
     ("lora-reference-keeps-the-adapters", "ppo.py", "layer.enable_adapters(False)", "layer.enable_adapters(True)"),
-    ("lora-merge-scale-wrong", "ppo.py", 'W.float() + layers[owner].scaling["default"] * delta',
+    ("lora-merge-scale-wrong", "adapters.py", 'W.float() + layers[owner].scaling["default"] * delta',
      "W.float() + delta"),
     ("lora-base-trained", "ppo.py", 'p.requires_grad = ".lora_" in name or', "p.requires_grad = True or"),
     ("lora-dropout-on", "ppo.py", "lora_alpha=args.lora_alpha, lora_dropout=0.0,",
      "lora_alpha=args.lora_alpha, lora_dropout=0.1,"),
-    ("lora-merged-into-the-base-in-place", "ppo.py",
+    ("lora-merged-into-the-base-in-place", "adapters.py",
      'yield f"{owner}.weight", W.float() + layers[owner].scaling["default"] * delta',
      'yield f"{owner}.weight", W.add_(layers[owner].scaling["default"] * delta)'),
     # issue 38: a merge rounded to a bf16 base's dtype loses most of a small update; GPT-2's Conv1D is (in, out)
-    ("lora-merge-rounds-to-the-base-dtype", "ppo.py",
+    ("lora-merge-rounds-to-the-base-dtype", "adapters.py",
      'yield f"{owner}.weight", W.float() + layers[owner].scaling["default"] * delta',
      'yield f"{owner}.weight", (W.float() + layers[owner].scaling["default"] * delta).to(W.dtype)'),
-    ("lora-merge-ignores-fan-in-fan-out", "ppo.py", "if layers[owner].fan_in_fan_out:", "if False:"),
+    ("lora-merge-ignores-fan-in-fan-out", "adapters.py", "if layers[owner].fan_in_fan_out:", "if False:"),
     ("lora-merged-policy-saved-in-the-base-dtype", "ppo.py", "dtype = torch.float32  # W + s B A",
      "dtype = dtype  # W + s B A"),
     ("lora-bf16-base-casts-the-whole-model", "ppo.py", "layer.get_base_layer().to(torch.bfloat16)",
@@ -252,7 +253,7 @@ MUTANTS = [
      "error = float(np.clip(total / args.batch_size / args.kl_target - 1"),
     ("gae-ablation-flag-ignored", "ppo.py", "if not args.gae_across_observations and turn_ends is not None:",
      "if False:"),
-    ("textarena-echoes-the-agents-move", "ppo.py",
+    ("textarena-echoes-the-agents-move", "adapters.py",
      "if kind != ta.ObservationType.PLAYER_ACTION)", "if True)"),
     # issue 39: turns counted from the env (an empty observation leaves no hole in the mask), over all ranks
     ("env-turns-from-the-mask", "ppo.py", "turns = rollout.turn_ends.sum(1)  # (B,)",
@@ -280,8 +281,8 @@ MUTANTS = [
      "rollout.mask"),
     ("is-weights-not-applied", "ppo.py",
      "pg_weights = agg * rollout.is_weights[idx, :t] if args.rollout_correction else agg", "pg_weights = agg"),
-    ("sampler-logprobs-without-temperature", "ppo.py", "log_softmax(scores.float() / self.temperature, -1)",
-     "log_softmax(scores.float(), -1)"),
+    ("sampler-logprobs-without-temperature", "ppo.py", "self.taken.append(torch.log_softmax(logits, -1)",
+     "self.taken.append(torch.log_softmax(logits * tau, -1)"),
     # fp16 and the fp32 head (issue 44)
     ("fp16-loss-not-scaled", "ppo.py", "(loss * world if scaler is None else scaler.scale(loss * world)).backward()",
      "(loss * world).backward()"),
@@ -301,18 +302,38 @@ MUTANTS = [
     ("kl-estimator-falls-through", "ppo.py", '    if estimator == "k3":\n', "    if True:\n"),
     ("loss-agg-falls-through", "ppo.py", '    if mode == "seq-sum-norm":  # Dr. GRPO', "    if True:  # Dr. GRPO"),
     ("policy-loss-falls-through", "ppo.py", '    if args.policy_loss == "ppo":\n', "    if True:\n"),
+    # issue 62: one meaning per bound value
+    ("mask-low-0-takes-a-log", "ppo.py", "floor = math.log(low) if low > 0 else -math.inf", "floor = math.log(low)"),
+    ("high-0-becomes-the-default", "ppo.py", "(high if self.rollout_correction_high is None",
+     "(high if not self.rollout_correction_high"),
+    ("a-cap-given-a-lower-bound", "ppo.py",
+     'if args.rollout_correction in ("token-is", "seq-is") and args.rollout_correction_low is not None:', "if False:"),
     ("mask-mode-falls-through", "ppo.py", 'if mode not in ("token-mask", "seq-mask", "geo-mask"):',
      "if False:"),
     # issue 52: less model work per update, each saving's one-line bug
-    ("on-policy-old-logprobs-not-detached", "ppo.py", "rollout.logprobs[idx, :t] = new_logprobs.detach() * mc_mask",
-     "rollout.logprobs[idx, :t] = new_logprobs * mc_mask"),
-    ("entropy-not-filled-without-the-pass", "ppo.py", "rollout.entropy[idx, :t] = new_entropy.detach() * mc_mask",
-     "rollout.entropy[idx, :t] = 0 * mc_mask"),
+    ("on-policy-old-logprobs-not-detached", "ppo.py", "rollout.logprobs[idx, :t] = new_logprobs.detach() * rollout",
+     "rollout.logprobs[idx, :t] = new_logprobs * rollout"),
+    ("entropy-not-filled-without-the-pass", "ppo.py", "rollout.entropy[idx, :t] = new_entropy.detach() * rollout",
+     "rollout.entropy[idx, :t] = 0 * rollout"),
+    # issue 62: without phase 3's pass, the metrics' tokens are every response token a pass saw
+    ("entropy-filled-on-the-loss-mask", "ppo.py", "new_entropy.detach() * rollout.mask[idx, :t]",
+     "new_entropy.detach() * mc_mask"),
+    ("old-logprobs-filled-on-the-loss-mask", "ppo.py", "new_logprobs.detach() * rollout.mask[idx, :t]",
+     "new_logprobs.detach() * mc_mask"),
+    ("entropy-averaged-over-tokens-no-pass-saw", "ppo.py", "mask * rollout.entropy.isfinite()).item(),",
+     "mask).item(),"),
     ("health-check-blind-on-policy", "ppo.py", 'if fill and args.old_logprobs == "on-policy":  # (as', "if False:  # (as"),
     ("sampler-logprobs-not-the-old-ones", "ppo.py", "logprobs = engine_logprobs * mask  # (B, T)",
      "logprobs = logprobs  # (B, T)"),
-    ("sampler-logprobs-one-step-late", "ppo.py", "self.last.gather(1, input_ids[:, -1:])",
-     "self.last.gather(1, input_ids[:, -2:-1])"),
+    ("sampler-logprobs-of-the-last-token", "ppo.py", "-1).gather(1, token[:, None]))  # (B, 1)",
+     "-1).gather(1, input_ids[:, -1:]))  # (B, 1)"),
+    # issue 62: the sampler's log-probs on the support it drew from; its sum and uniforms fine enough for 152k tokens
+    ("sampler-logprobs-on-the-whole-vocabulary", "ppo.py", "self.taken.append(torch.log_softmax(logits, -1)",
+     "self.taken.append(torch.log_softmax(scores.float() / tau, -1)"),
+    ("sampler-cdf-in-float32", "ppo.py", "cdf = torch.softmax(logits.double(), -1).cumsum(1)",
+     "cdf = torch.softmax(logits, -1).cumsum(1).double()"),
+    ("sampler-uniforms-in-float32", "ppo.py", "dtype=torch.float64) for k in keys])",
+     "dtype=torch.float32) for k in keys]).double()"),
     ("reference-loaded-at-beta-0", "ppo.py", "return args.kl_coef == 0 and not args.unread_reference", "return False"),
     ("adamw-never-fused", "ppo.py", "fused=kernel or None)", "fused=None)"),
 ]
@@ -359,7 +380,7 @@ def main():
         print(f"unmutated: the fast subset takes {seconds:.0f} s, " + (f"FAILS {failed}" if failed else "passes"))
         if failed:
             sys.exit(1)
-        originals = {f: open(os.path.join(root, f)).read() for f in ("ppo.py", "gae.py")}
+        originals = {f: open(os.path.join(root, f)).read() for f in MUTATED}
         survivors = []
         print("\n| mutant | killed by | s |\n|---|---|---:|")
         for name, path, old, new in chosen:

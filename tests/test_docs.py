@@ -378,3 +378,14 @@ def test_the_readme_tells_a_newcomer_what_the_code_does():
     variants = readme.split("Every variant the literature argues about")[1].split("\n\n")[0]
     assert defaults.missing_eos_penalty is not None and "--missing-eos-penalty" in variants
     assert defaults.value_clip_eps is not None and "value clip" in variants
+
+
+@pytest.mark.fast
+def test_every_mutant_names_text_that_occurs_once_in_its_file():
+    """tests/mutants.py stops at a mutant whose text has moved: a stale mutant is a hole the mutation check never
+    probes, found here at once rather than in its slow run."""
+    from mutants import MUTANTS, MUTATED
+    assert len({m[0] for m in MUTANTS}) == len(MUTANTS), "two mutants share a name"
+    for name, path, old, new in MUTANTS:
+        assert path in MUTATED and old != new, name
+        assert open(path).read().count(old) == 1, f"{name}: its text occurs {open(path).read().count(old)}x in {path}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ppo
-from fp32 import EPS, assert_close_fp32, fp32_tolerance
+from fp32 import EPS, assert_close_fp32, fp32_tolerance, logprob_tolerance
 from test_in_process import run_main
 from test_ppo_parts import checked, rollout_batch
 
@@ -90,6 +90,60 @@ def test_the_sampler_path_equals_the_recomputed_path_when_the_sampler_agrees(wor
     sampler, rollout, stats_b, _ = backward(world, "sampler")
     assert torch.equal(sampler, textbook) and stats_a["pg_loss"] == stats_b["pg_loss"]
     assert_close_fp32(rollout.entropy, pass_entropy, int(rollout.mask.sum()))
+
+
+def rollouts_logged(monkeypatch):
+    """Each update's rollout as its metrics are taken from it."""
+    seen, real = [], ppo.metrics_row
+
+    def spy(update, args, rollout, *a, **kw):
+        seen.append(rollout)
+        return real(update, args, rollout, *a, **kw)
+    monkeypatch.setattr(ppo, "metrics_row", spy)
+    return seen
+
+
+def initial_pass(world, rollout, rows):
+    """The untrained policy's log-probs and entropies (b, T) on `rows` of a rollout: phase 3's pass, had it run.
+    Also how far a token's entropy may round apart in fp32: if every log p_i moves by at most e, H = -sum p log p
+    moves by at most e (1 + H) <= e (1 + log V)."""
+    from transformers import AutoModelForCausalLM
+    policy = AutoModelForCausalLM.from_pretrained(world[0]).eval()
+    P = rollout.query_responses.shape[1] - rollout.mask.shape[1]
+    with torch.no_grad():
+        logprobs, entropy, _ = ppo.policy_logprobs(policy, rollout.query_responses[rows],
+                                                   rollout.attention_mask[rows], P, 0.7, with_entropy=True)
+    return logprobs, entropy, logprob_tolerance(policy) * (1 + math.log(policy.config.vocab_size))
+
+
+@pytest.mark.fast
+def test_without_a_pass_the_metrics_cover_every_response_token(world, monkeypatch):
+    """Issue 62: on-policy with DAPO's overlong filter, the cut responses leave the loss but not the metrics: the
+    entropy and the sampler's gap are filled on every response token (they were filled on the loss mask alone and
+    averaged over all tokens: entropy 1.07 against 1.48, a gap of 0.385 nats against 4e-7)."""
+    seen = rollouts_logged(monkeypatch)
+    row = run_main("test_fill_overlong", **ONE_STEP, overlong_filter=True, response_length=4)[0]
+    r, rows = seen[0], torch.arange(len(seen[0].lengths))
+    assert 0 < row["ppo/val/eos_rate"] < 1  # some responses cut, out of the loss
+    logprobs, entropy, entropy_tol = initial_pass(world, r, rows)
+    assert abs(row["objective/entropy"] - ppo.masked_mean(entropy, r.mask).item()) <= entropy_tol
+    assert row["rollout/logprob_diff_mean"] <= logprob_tolerance(world[0])  # the sampler and trainer agree in fp32
+
+
+@pytest.mark.fast
+def test_an_early_stop_without_a_pass_reports_the_entropy_of_the_tokens_it_saw(world, monkeypatch):
+    """Issue 62: --old-logprobs sampler, --target-kl stopping after the first minibatch (a bf16 sampler's gap
+    exceeds it before any step): the entropy is the mean over that minibatch's tokens, as the untrained policy gives
+    them, not a mean that counts the other minibatches' unfilled tokens as 0 (0.70 against 1.42)."""
+    seen = rollouts_logged(monkeypatch)
+    flags = dict(old_logprobs="sampler", sampler_precision="bf16", num_minibatches=4, target_kl=1e-12)
+    row = run_main("test_fill_early_stop", **flags)[0]
+    r = seen[0]
+    first = ppo.minibatch_order(checked(**flags), 1, 0, len(r.lengths))[:len(r.lengths) // 4]  # (B/4,)
+    assert row["ppo/epochs"] == 1 and row["time/trained_tokens"] == r.mask[first].sum()  # stopped after it
+    _, entropy, entropy_tol = initial_pass(world, r, first)
+    assert abs(row["objective/entropy"] - ppo.masked_mean(entropy, r.mask[first]).item()) <= entropy_tol
+    assert "rollout/logprob_diff_mean" not in row  # (the old log-probs are the sampler's: no trainer's to compare)
 
 
 @pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)

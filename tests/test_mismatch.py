@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ppo
-from fp32 import EPS, assert_close_fp32
+from fp32 import EPS, assert_close_fp32, logprob_tolerance
 from test_in_process import run_main
 from test_ppo_parts import checked, rollout_batch
 from test_variants import MODES as AGG
@@ -169,6 +169,20 @@ def test_a_sampler_in_the_trainers_precision_has_no_gap_to_correct(world):
     assert all(r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/corrected_tokens"] == 0 for r in rows)
 
 
+@pytest.mark.fast
+def test_a_filtered_sampler_scores_its_tokens_on_the_support_the_trainer_renormalises_on(world):
+    """Issue 62: top-p with the kept mask, sampler and trainer both in fp32. The sampler's log-probs are taken on the
+    filtered support, as the trainer's are, so the two agree to within fp32's rounding: the tightest mask (geo-mask,
+    1 +- 1e-3) corrects no token and every token trains. (Taken on the whole vocabulary they were 0.117 nats apart a
+    token: every token corrected, none trained.)"""
+    rows = run_main("test_gap_top_p", top_p=0.8, keep_sampling_mask=True, sampler_precision="fp32", precision="fp32",
+                    rollout_correction="geo-mask")
+    tol = logprob_tolerance(world[0])  # (2.4e-4 < log 1.001: the mask's bound is not where the rounding lands)
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < tol and r["rollout/corrected_tokens"] == 0
+        assert r["time/trained_tokens"] == r["time/generated_tokens"] * r["ppo/epochs"] > 0
+
+
 def test_a_multi_turn_episode_is_corrected_on_its_agent_tokens(world):
     """The guess world's episodes: the bf16 sampler's log-probs per turn, 0 on the observations (off the mask)."""
     rows = run_main("test_gap_guess", model="guess", sampler_precision="bf16", precision="fp32",
@@ -231,3 +245,28 @@ def test_a_correction_carries_no_gradient(mode):
     out = ppo.rollout_correction(logprobs, torch.tensor(inputs["rollout_log_prob"][mode]),
                                  torch.tensor(inputs["response_mask"]).float(), mode, low, high)
     assert not any(x.requires_grad for x in out)
+
+
+@pytest.mark.fast
+def test_each_bound_value_has_one_meaning():
+    """Issue 62: the branch is the mode's, not the bound's. Ratios p_trainer / p_sampler of 3, 1.5 and 0.2:
+    token-is caps them at 2 and takes no lower bound (one given is refused, not turned into a mask); a low of 0 is no
+    lower bound in icepop and the masks (it stopped the masks with log(0)); a high of 0 is refused, not the default."""
+    trainer, sampler, mask = torch.log(torch.tensor([[3.0, 1.5, 0.2]])), torch.zeros(1, 3), torch.ones(1, 3)
+
+    def bounds(mode, **flags):
+        args = ppo.Args(rollout_correction=mode, sampler_precision="bf16", **flags)
+        ppo.check_args(args, 1)
+        return ppo.rollout_correction(trainer, sampler, mask, mode, args.rollout_correction_low,
+                                      args.rollout_correction_high)
+    assert bounds("token-is")[0][0].tolist() == pytest.approx([2.0, 1.5, 0.2])
+    for low in (0.0, 0.5):
+        with pytest.raises(ppo.UsageError, match="has no lower bound"):
+            bounds("token-is", rollout_correction_low=low)
+    assert bounds("icepop", rollout_correction_low=0.0, rollout_correction_high=2.0)[0][0].tolist() == pytest.approx(
+        [0.0, 1.5, 0.2])  # 3 out of bounds; 0.2 kept: no lower bound
+    for mode in ("token-mask", "seq-mask", "geo-mask"):  # on p_sampler / p_trainer: 1/3, 2/3, 5
+        kept = bounds(mode, rollout_correction_low=0.0, rollout_correction_high=4.0)[1]
+        assert kept.tolist() == ([[1.0, 1.0, 0.0]] if mode == "token-mask" else [[1.0, 1.0, 1.0]]), mode
+    with pytest.raises(ppo.UsageError, match="--rollout-correction-high must be positive"):
+        bounds("icepop", rollout_correction_high=0.0)

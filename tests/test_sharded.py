@@ -200,7 +200,8 @@ def test_each_row_draws_and_trains_in_the_same_minibatch_on_any_number_of_ranks(
 @pytest.mark.fast
 def test_the_keyed_sampler_draws_from_hfs_distribution_and_a_row_only_from_its_key(world):
     """Over 4,000 keys the tokens drawn follow softmax(logits / T) after HF's own top-k and top-p filters (a
-    chi-square bound), the log-probs kept are that softmax's; and a row draws the same tokens alone as in a batch."""
+    chi-square bound), the log-probs kept are that filtered softmax's (the support --keep-sampling-mask scores, issue
+    62); and a row draws the same tokens alone as in a batch."""
     import ppo
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -216,7 +217,7 @@ def test_the_keyed_sampler_draws_from_hfs_distribution_and_a_row_only_from_its_k
     expected = n * p[p > 0]
     chi2 = float(((counts[p > 0] - expected) ** 2 / expected).sum())
     assert chi2 < 20.5, chi2  # the 0.999 quantile of chi-square with 4 degrees of freedom (5 tokens kept)
-    kept = torch.log_softmax(logits / 0.7, -1)[0, chosen]  # (n,)
+    kept = torch.log_softmax(warped, -1)[0, chosen]  # (n,)
     torch.testing.assert_close(sampler.logprobs()[:, 0], kept)
     tok = AutoTokenizer.from_pretrained(world[0], padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(world[0]).eval()
@@ -229,3 +230,25 @@ def test_the_keyed_sampler_draws_from_hfs_distribution_and_a_row_only_from_its_k
     assert n2 > 1 and together[0][2, -together[2].max():][:n2].tolist() == alone[0][0, -alone[2].max():][:n2].tolist()
     others = [ppo.generate(policy, tok, prompts[2:], torch.device("cpu"), keys=[key])[0] for key in (34, 35, 36, 37)]
     assert any(o.tolist() != alone[0].tolist() for o in others)  # other keys, other tokens (one alike: ~0.5%)
+
+
+@pytest.mark.fast
+def test_the_keyed_sampler_gives_every_tail_token_of_a_real_vocabulary_its_width():
+    """Issue 62: at Qwen2's V = 151,936, a token of probability 1e-9 late in the vocabulary lies where a float32
+    running sum is near 1 (ulp 6e-8): its interval rounds to nothing and it is never drawn. Each such token must be
+    drawn for a uniform in the middle of its exact interval; and the uniforms must resolve intervals that fine (a
+    float32 uniform is a multiple of 2^-24)."""
+    import ppo
+    from transformers import GenerationConfig
+    V = 151_936
+    logits = 3 * torch.randn(1, V, generator=torch.Generator().manual_seed(0))  # (1, V)
+    p = torch.softmax(logits.double(), -1)[0]  # (V,): the exact probabilities, to float64's rounding
+    exact = p.cumsum(0)  # (V,): float64, each partial sum within V * 2^-53 = 1.7e-11 of exact
+    tail = ((p > 1e-9) & (p < 1e-8) & (torch.arange(V) > V // 2)).nonzero().squeeze(1)[:64]  # (n,)
+    assert len(tail) == 64  # (3 * N(0, 1) logits give thousands: widths 1e-9 >> 1.7e-11)
+    sampler = ppo.KeyedSampler(range(len(tail)), GenerationConfig(temperature=1.0, max_new_tokens=1), "cpu")
+    sampler.uniform = ((exact[tail] - p[tail] / 2) / exact[-1])[:, None]  # (n, 1): the middle of each interval
+    drawn = sampler(None, logits.expand(len(tail), -1)).argmax(1)  # (n,)
+    assert drawn.tolist() == tail.tolist()
+    u = ppo.KeyedSampler([0], GenerationConfig(max_new_tokens=10_000), "cpu").uniform[0] * 2 ** 24  # (10000,)
+    assert (u != u.floor()).float().mean() > 0.99  # off the float32 grid (a float64 uniform is on it w.p. 2^-29)
