@@ -30,8 +30,6 @@ Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded
 """
 import contextlib
 import copy
-import fcntl
-import hashlib
 import importlib
 import json
 import math
@@ -42,7 +40,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import sys
 import time
 import warnings
@@ -60,6 +57,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GenerationConfig)
 
 import adapters  # glue to the optional libraries: reasoning-gym's tasks, TextArena's games, peft's files
+from runfiles import (checkpoint_damage, clear_leftovers, discard, file_digests, list_checkpoints, lock_run,  # the
+                      truncate_jsonl, unlock_run, write_json)  # run folder on disk: what a kill must not break
 from gae import compute_gae_over_actions
 
 warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (one process saves a checkpoint too: as intended)
@@ -286,8 +285,7 @@ class Args:
     rollout_correction: Opt(Literal[tuple(ROLLOUT_CORRECTIONS)]) = None
     """weight or mask the losses where sampler and trainer disagree, as veRL 0.9.1 (docs/mismatch.md; None = off)"""
     rollout_correction_low: OptFloat = None
-    """lowest ratio kept: p_trainer / p_sampler in IS modes, p_sampler / p_trainer in masks; 0: no lower bound;
-    token-is and seq-is cap, and take none (None: the mode's)"""
+    """lowest ratio kept (0: none, None: mode's): p_trainer / p_sampler in IS modes, p_sampler / p_trainer in masks"""
     rollout_correction_high: OptFloat = None
     """highest ratio kept (IS modes: the weights' cap), the ratio of --rollout-correction-low (None: the mode's)"""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -462,8 +460,7 @@ class KeyedSampler(transformers.LogitsProcessor):
         tau, top_k, top_p = self.sampling.temperature, self.sampling.top_k or 0, self.sampling.top_p or 1.0
         logits = scores.float() / tau  # (B, V)
         logits = logits.masked_fill(~sampling_support(logits, top_k, top_p), -math.inf)  # (B, V): the kept support
-        # in float64: a float32 running sum past 1 - 1e-8 stops growing, and a 152k vocabulary's tail gets no width
-        cdf = torch.softmax(logits.double(), -1).cumsum(1)  # (B, V)
+        cdf = torch.softmax(logits.double(), -1).cumsum(1)  # (B, V): float32's would give a 152k tail no width
         u = self.uniform[:, len(self.taken), None] * cdf[:, -1:]  # (B, 1): below the sum, however it rounded
         token = torch.searchsorted(cdf, u, right=True).squeeze(1)  # (B,): the first token whose cdf passes u
         self.taken.append(torch.log_softmax(logits, -1).gather(1, token[:, None]))  # (B, 1)
@@ -1001,14 +998,15 @@ def policy_objective(new_logprobs, old_logprobs, advantages, mask, args):
 
 def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp, key):
     """PPO-ptx (InstructGPT): the language-modelling loss of `rows` texts drawn from the supervised set (this rank's
-    share of the rows drawn by `key`, the same on any number of ranks)."""
+    share of the rows drawn by `key`), a mean over every rank's tokens: the same loss on any number of ranks."""
     rank, world = rank_and_world()
     drawn = np.random.default_rng(key).integers(len(ptx_ids), size=rows * world)[rank * rows: (rank + 1) * rows]
     batch = tokenizer.pad({"input_ids": [ptx_ids[i] for i in drawn]},
                           padding_side="right", return_tensors="pt").to(device)
     labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)  # (b, L): no loss on padding
-    with amp:
-        return policy(**batch, labels=labels).loss
+    tokens = global_sum((labels[:, 1:] != -100).sum()).clamp(min=1)  # the tokens predicted, on all ranks
+    with amp:  # (times world: FSDP averages the gradients over ranks)
+        return policy(**batch, labels=labels, num_items_in_batch=tokens).loss * world
 
 
 # ==============================================================================================
@@ -1127,7 +1125,7 @@ def main(args: Args):
                     health = ratio_health(update, mb_stats, ratio_dev_max, args.ratio_check_tol, device)
                 if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
                     ptx = args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device, amp,
-                                                   [args.seed, update, epoch, mb_start])
+                                                   [args.seed, update, epoch, mb_start // mb_rows])
                     (ptx if scaler is None else scaler.scale(ptx)).backward()
                 finite, _ = optimizer_step(trained, stepping, args.max_grad_norm, scaler)
                 # a NaN loss gives NaN gradients (fp16: counted once the loss scale is down to 1)
@@ -2771,7 +2769,10 @@ def trained_state(models, optimizers):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     state = {}
     for name, model, opt in zip(("policy", "critic"), [m for m in (models.policy, models.critic) if m], optimizers):
-        weights, state[f"{name}_adamw"] = get_state_dict(model, opt)  # (a fresh optimizer's states made, zero)
+        fresh = not opt.state  # never stepped (a critic warm-up, fp16's skipped steps): torch makes its states by a
+        weights, state[f"{name}_adamw"] = get_state_dict(model, opt)  # step at lr 0, which counts as AdamW's step 1
+        for moments in [*opt.state.values(), *state[f"{name}_adamw"]["state"].values()] if fresh else ():
+            moments["step"].zero_()  # step 0 and zero moments: a fresh AdamW's, so its first real step is step 1
         training = {n for n, p in model.named_parameters() if p.requires_grad}
         state[name] = {k: v for k, v in weights.items() if k in training}
     return state
@@ -2798,7 +2799,10 @@ def find_run(args, rank, world, log):
 def choose_checkpoint(args, run_dir, log):
     """Rank 0: lock an existing run folder, clear what a killed save left, and pick the checkpoint to resume."""
     if os.path.isdir(run_dir):
-        lock_run(run_dir)
+        try:
+            lock_run(run_dir)
+        except ValueError as e:  # (another process holds it)
+            fail(str(e))
         clear_leftovers(os.path.join(run_dir, "checkpoints"))
     checkpoints = list_checkpoints(os.path.join(run_dir, "checkpoints"))
     if args.resume is None:
@@ -2822,83 +2826,6 @@ def choose_checkpoint(args, run_dir, log):
         fail(f"--resume {args.resume!r} is not a whole checkpoint ({damage}): pass runs/<run>/checkpoints/step_<k>")
     check_same_flags(args, args.resume)
     return args.resume
-
-
-RUN_LOCKS = {}  # run folder -> its open lock file, held until the process ends
-
-
-def lock_run(run_dir):
-    """One process per run folder: a lock on runs/<run>/.lock, which the OS drops however the process ends."""
-    os.makedirs(run_dir, exist_ok=True)
-    if run_dir in RUN_LOCKS and os.path.exists(RUN_LOCKS[run_dir].name):
-        return  # this process holds it already
-    unlock_run(run_dir)  # (an earlier main in this process whose folder was deleted since)
-    f = open(os.path.join(run_dir, ".lock"), "a+")
-    try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        fail(f"{run_dir}/ is in use by another process ({f.read().strip() or 'unknown'}): wait for it to end "
-             "or stop it, or pick another --run-name")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    RUN_LOCKS[run_dir] = f
-
-
-def unlock_run(run_dir):
-    lock = RUN_LOCKS.pop(run_dir, None)
-    if lock is not None:
-        lock.close()
-
-
-def clear_leftovers(ckpt_root):
-    """A killed save leaves step_<k>.tmp/ (never renamed into place) or .discard_* (renamed out, not yet gone)."""
-    if os.path.isdir(ckpt_root):
-        for d in os.listdir(ckpt_root):
-            if d.endswith(".tmp") or d.startswith(".discard_"):
-                shutil.rmtree(os.path.join(ckpt_root, d), ignore_errors=True)
-
-
-def discard(path):
-    """Delete a folder renamed out of the step_<k> pattern first: a kill never leaves half a checkpoint by its name."""
-    trash = os.path.join(os.path.dirname(path), f".discard_{os.path.basename(path)}")
-    shutil.rmtree(trash, ignore_errors=True)
-    os.rename(path, trash)
-    shutil.rmtree(trash)
-
-
-def file_digests(folder, select=lambda rel: True):
-    """{relative path: [bytes, sha256]} of the files under `folder` `select`ed, but the manifest itself."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, folder)
-            if rel != "manifest.json" and select(rel):
-                h = hashlib.sha256()
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 24), b""):
-                        h.update(block)
-                out[rel] = [os.path.getsize(path), h.hexdigest()]
-    return out
-
-
-def checkpoint_damage(path):
-    """None for a whole checkpoint (every file of its manifest there, of its size and checksum), else what is wrong."""
-    if not os.path.isdir(path):
-        return "no such folder"
-    try:
-        manifest = json.load(open(os.path.join(path, "manifest.json")))
-    except (OSError, ValueError) as e:
-        return f"no readable manifest.json: {reason(e)}"
-    found = file_digests(path)
-    for rel, (size, digest) in manifest.items():
-        if rel not in found:
-            return f"{rel} is missing"
-        if found[rel] != [size, digest]:
-            return f"{rel} is {'cut or padded' if found[rel][0] != size else 'corrupted (checksum differs)'}"
-    return None
 
 
 # flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes)
@@ -2948,36 +2875,6 @@ def restore(resume_dir, models, optimizers, schedulers, scaler, keep_best):
     if json.load(open(os.path.join(resume_dir, "flags.json"))).get("keep_best") != keep_best:
         best = -math.inf  # the best so far was of another metric (--keep-best may change on resume)
     return state["kl_coef"], state["step"] + 1, best, state.get("drawn")
-
-
-def list_checkpoints(ckpt_root):
-    """Whole checkpoints (renamed into place), oldest first."""
-    if not os.path.isdir(ckpt_root):
-        return []
-    steps = sorted(int(d[5:]) for d in os.listdir(ckpt_root) if re.fullmatch(r"step_\d+", d))
-    return [os.path.join(ckpt_root, f"step_{k}") for k in steps]
-
-
-def truncate_jsonl(path, last_step):
-    """Drop the rows after the resumed checkpoint (none lost or doubled); written aside, then replacing the old file."""
-    if os.path.exists(path):
-        lines = open(path).read().splitlines(keepends=True)
-        if lines and not lines[-1].endswith("\n"):
-            lines.pop()  # a row cut short by the kill
-        replace_file(path, "".join(line for line in lines if json.loads(line)["step"] <= last_step))
-
-
-def write_json(path, obj):
-    replace_file(path, json.dumps(obj, indent=2))
-
-
-def replace_file(path, text):
-    """Write aside, then replace: a reader sees the old file or the new one, never half of one."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

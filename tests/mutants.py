@@ -5,10 +5,10 @@ and the fast tests that must fail on each.
     python tests/mutants.py --all            # every test that kills each mutant, not only the first (slower)
     python tests/mutants.py --only kl-swapped-in-reward position-ids-arange
 
-Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, adapters.py, the worlds, bench.py,
-smollm2.py, tests/ and the toy world under runs/toy), where `python -m pytest -m "fast or mutants" tests` runs (with
--x unless --all): the fast subset and the oracles too slow for it. A mutant they let pass is a hole in the suite: the runner
-exits 1. The unmutated copy must pass first.
+Each mutant is applied to a scratch copy of the repository (ppo.py, gae.py, adapters.py, runfiles.py, the worlds,
+bench.py, smollm2.py, tests/ and the toy world under runs/toy), where `python -m pytest -m "fast or mutants" tests`
+runs (with -x unless --all): the fast subset and the oracles too slow for it. A mutant they let pass is a hole in the
+suite: the runner exits 1. The unmutated copy must pass first.
 Tests about the layout (the docs' maps, every flag read) do not count as killers.
 """
 import argparse
@@ -262,8 +262,7 @@ MUTANTS = [
      "n_ended, turns_ended = global_sum(torch.stack([ended.sum(), (turns * ended).sum()])).tolist()",
      "n_ended, turns_ended = torch.stack([ended.sum(), (turns * ended).sum()]).tolist()"),
     # --rollout-correction (issue 43): each mode's one-line bug, and the losses' use of its weights and mask
-    ("token-is-uncapped", "ppo.py", "weights = raw.clamp(max=high) if low is None else",
-     "weights = raw if low is None else"),
+    ("token-is-uncapped", "ppo.py", "weights = raw.clamp(max=high) if capped else", "weights = raw if capped else"),
     ("seq-is-a-weight-per-token", "ppo.py", "            log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1)",
      "            log_ratio = log_ratio  # (B, 1)"),
     ("icepop-clips-instead-of-zeroing", "ppo.py", "raw * ((raw >= low) & (raw <= high))", "raw.clamp(low, high)"),
@@ -302,6 +301,8 @@ MUTANTS = [
     ("kl-estimator-falls-through", "ppo.py", '    if estimator == "k3":\n', "    if True:\n"),
     ("loss-agg-falls-through", "ppo.py", '    if mode == "seq-sum-norm":  # Dr. GRPO', "    if True:  # Dr. GRPO"),
     ("policy-loss-falls-through", "ppo.py", '    if args.policy_loss == "ppo":\n', "    if True:\n"),
+    # issue 62: a checkpoint of a never-stepped AdamW must not count torch's initialising step as its first
+    ("fresh-adamw-saved-at-step-1", "ppo.py", "fresh = not opt.state  # never stepped", "fresh = False  # never stepped"),
     # issue 62: one meaning per bound value
     ("mask-low-0-takes-a-log", "ppo.py", "floor = math.log(low) if low > 0 else -math.inf", "floor = math.log(low)"),
     ("high-0-becomes-the-default", "ppo.py", "(high if self.rollout_correction_high is None",
@@ -342,8 +343,8 @@ NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::tes
 
 def scratch_copy():
     root = tempfile.mkdtemp(prefix="mutants_")
-    for name in ("ppo.py", "gae.py", "adapters.py", "toy.py", "chain.py", "guess.py", "bench.py", "smollm2.py",
-                 "README.md"):
+    for name in ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "toy.py", "chain.py", "guess.py", "bench.py",
+                 "smollm2.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), root)
     shutil.copytree(os.path.join(ROOT, "docs"), os.path.join(root, "docs"))
     shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),

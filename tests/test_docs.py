@@ -16,8 +16,6 @@ import sys
 
 import pytest
 
-from test_data_rewards import gold_gain_beyond_noise
-
 DOCS = ["README.md", "experiments/README.md", *sorted(glob.glob("docs/*.md"))]
 MAP_HEADING, ABLATIONS = "## Reading ppo.py", "docs/ablations.md"
 
@@ -193,8 +191,9 @@ def apply_recipe(text, source):
 @pytest.mark.timeout(300)
 def test_the_readmes_first_fork_recipe_learns_the_toy_world(tmp_path):
     """REINFORCE++-baseline as the README's diff writes it: the fork runs without a critic and its gold rises."""
+    from test_data_rewards import gold_gain_beyond_noise
     fork = apply_recipe(open("README.md").read(), open("ppo.py").read())
-    for name in ("gae.py", "adapters.py", "toy.py"):
+    for name in ("gae.py", "adapters.py", "runfiles.py", "toy.py"):
         shutil.copy(name, tmp_path)
     (tmp_path / "ppo.py").write_text(fork)
     shutil.rmtree("runs/test_fork", ignore_errors=True)
@@ -364,7 +363,8 @@ def test_no_doc_names_a_path_outside_the_repository():
 def test_the_readme_tells_a_newcomer_what_the_code_does():
     readme = open("README.md").read()
     fork = readme.split("## How to fork it")[1].split("\n## ")[0]
-    assert all(f"`{name}`" in fork.split(";")[0] for name in ("ppo.py", "gae.py", "adapters.py", "toy.py"))  # all to copy
+    copy = ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "toy.py")  # all a fork copies
+    assert all(f"`{name}`" in fork.split(";")[0] for name in copy)
     setup = readme.split("## Two commands")[1].split("**What you will see.**")[0]
     assert "vLLM is optional" in setup and "skip without it" in setup
     # the toy's time, measured once and said once: in the README, and nowhere else with another figure

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import ppo
+from test_in_process import run_main, without_timings
+from test_precision import forced_overflow
 
 
 def metrics(run):
@@ -84,3 +86,24 @@ def test_a_run_with_dynamic_sampling_resumes_exactly(world):
                          for run in runs)
     assert resumed == straight and len(straight) == 4
     assert any(r["sampling/rounds"] > 0 for r in straight[1:])  # a refill after the resume point
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("case", ["critic-warmup", "lora-warmup", "fp16-skipped"])
+def test_a_checkpoint_changes_nothing_in_the_run(world, case, monkeypatch):
+    """Issue 62: saving every update logs the rows a run without saves logs, bit for bit, where an optimizer has not
+    stepped when the first checkpoint is written: the policy's during a critic warm-up (with LoRA too), and both
+    models' when fp16's loss scale skips every step of update 1 (2^24 overflows the toy's gradients down to 2^19;
+    update 2 steps once the scale is down to 2^18). torch's state-dict call used to give such an AdamW the step count
+    1, so every later step had the wrong bias correction."""
+    flags = dict(total_episodes=64 * 3, **{
+        "critic-warmup": dict(critic_warmup_updates=1),
+        "lora-warmup": dict(critic_warmup_updates=1, lora_rank=8, learning_rate=3e-3),
+        "fp16-skipped": dict(precision="fp16")}[case])
+    if case == "fp16-skipped":
+        forced_overflow(monkeypatch, init_scale=2.0 ** 24)
+    plain = run_main(f"test_saves_off_{case}", **flags)
+    saved = run_main(f"test_saves_on_{case}", **flags, save_every=1)
+    assert without_timings(saved) == without_timings(plain)
+    if case == "fp16-skipped":  # (the case holds: nothing stepped before the first save, something after)
+        assert plain[0]["ppo/skipped_steps"] == plain[0]["ppo/epochs"] and plain[1]["ppo/skipped_steps"] < 4

@@ -80,6 +80,14 @@ def test_one_two_and_four_ranks_continue_the_same_run(saved):
         assert_same_run(resumed, one[1:])
 
 
+@pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
+def test_ppo_ptx_is_the_same_run_on_one_and_two_ranks(world):
+    """Issue 62: PPO-ptx's rows are drawn by (seed, update, epoch, minibatch), not by a rank's local offset, and its
+    loss is a mean over every rank's tokens, not a mean of each rank's means: 4 minibatches on 1 rank and on 2."""
+    flags = ["--ptx-coef", "0.5", "--num-minibatches", "4", "--micro-batch-size", "8"]
+    assert_same_run(run(2, "test_shard_ptx_two", *flags), run(1, "test_shard_ptx_one", *flags))
+
+
 def test_two_nodes_train_checkpoint_die_and_resume_exactly(world):
     """docs/torchrun.md's two-node command, both nodes on this machine: SIGKILL after checkpoint 2, then both
     nodes resume; the rows equal a straight run's on one node of two ranks (the same arithmetic), bit for bit."""
