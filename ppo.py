@@ -390,13 +390,18 @@ def global_sum(x):
 
 
 # --- phases 1-2: generate, cut after the first EOS; then dynamic sampling (agents' episodes: `play`) ---
+# Each random stream's tag, the second word of its NumPy seed [seed, tag, ...]: NumPy seeds [s, u], [s, u, 0] and
+# [s, u, 0, 0] alike, so keys told apart by their length alone share bits. (The held-out split: [seed].)
+STREAMS = dict(prompts=1, rows=2, minibatches=3, refills=4, ptx=5)
+
+
 def minibatch_order(args, update, epoch, n):
     """This rank's n rows in minibatch order (M slices): every M rows side by side in the global batch are dealt one
     to each minibatch, in an order drawn from (seed, update, epoch), so a minibatch holds the same rows on any
     number of ranks (a per-rank shuffle's would differ)."""
     rank, world, M = *rank_and_world(), args.num_minibatches
     deal = np.tile(np.arange(M), (-(-n * world // M), 1))  # (B / M, M): each row a deal of the M minibatches
-    deal = np.random.default_rng([args.seed, update, epoch]).permuted(deal, axis=1)
+    deal = np.random.default_rng([args.seed, STREAMS["minibatches"], update, epoch]).permuted(deal, axis=1)
     return torch.from_numpy(np.argsort(deal.ravel()[rank * n: (rank + 1) * n], kind="stable"))  # (n,)
 
 
@@ -404,7 +409,7 @@ def prompt_order(update, n_rows, args, rank, local_batch):
     """This rank's prompt rows of an update: each pass over the prompts in a fresh order seeded by (seed, pass)."""
     n_prompts = args.batch_size // args.group_size
     start = (update - 1) * n_prompts
-    order = np.concatenate([np.random.default_rng([args.seed, k]).permutation(n_rows)
+    order = np.concatenate([np.random.default_rng([args.seed, STREAMS["prompts"], k]).permutation(n_rows)
                             for k in range(start // n_rows, (start + n_prompts - 1) // n_rows + 1)])
     offset = start - (start // n_rows) * n_rows
     batch_idx = np.repeat(order[offset: offset + n_prompts], args.group_size)  # (B,): groups side by side
@@ -517,19 +522,12 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
                    parts)
 
 
-def sampler_autocast(args, device):
-    """The HF sampler's autocast, in which `generate` keeps its log-probs; None: not kept, as no update reads them."""
-    if args.vllm or (args.sampler_precision == "auto" and args.old_logprobs == "recompute" and not args.async_steps):
-        return None  # (vLLM: its own precision, its log-probs always kept)
-    return contextlib.nullcontext() if args.sampler_precision == "auto" else torch.autocast(  # (auto: --precision)
-        device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)
-
-
 def row_keys(args, update, stream, rank, n, group=1):
     """The random keys of this rank's n rows of an update, from (seed, update, stream) and each row's place in the
     global batch, so a row draws the same on any number of ranks; `group` rows side by side share one (a group's
     episodes). Streams: 0 the episodes' seeds, 1 the sampling (`KeyedSampler`), 2 evaluation; (s, r) refill r's."""
-    keys = np.random.SeedSequence([args.seed, update, *np.atleast_1d(stream)]).generate_state(n * (rank + 1))[-n:]
+    key = [args.seed, STREAMS["rows"], update, *np.atleast_1d(stream)]
+    keys = np.random.SeedSequence(key).generate_state(n * (rank + 1))[-n:]
     return [int(k) for k in keys[np.arange(n) // group * group]]  # (n,) uint32 each
 
 
@@ -538,7 +536,7 @@ def refill_order(update, refill, questions, args, rank, world):
     n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
     drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
     for r in range(1, refill + 1):
-        order = np.random.default_rng([args.seed, update, r]).permutation(n_rows)  # (n_rows,)
+        order = np.random.default_rng([args.seed, STREAMS["refills"], update, r]).permutation(n_rows)  # (n_rows,)
         order = order[~np.isin(questions[order], questions[drawn])]  # the questions not drawn yet...
         order = order[np.sort(np.unique(questions[order], return_index=True)[1])][:n_prompts]  # ...each once
         order = order[:len(order) // world * world]  # equal shares
@@ -1125,7 +1123,7 @@ def main(args: Args):
                     health = ratio_health(update, mb_stats, ratio_dev_max, args.ratio_check_tol, device)
                 if args.ptx_coef > 0:  # PPO-ptx (InstructGPT): a language-modelling loss keeps the SFT skills
                     ptx = args.ptx_coef * ptx_loss(policy, tokenizer, ptx_ids, mb_rows, device, amp,
-                                                   [args.seed, update, epoch, mb_start // mb_rows])
+                                                   [args.seed, STREAMS["ptx"], update, epoch, mb_start // mb_rows])
                     (ptx if scaler is None else scaler.scale(ptx)).backward()
                 finite, _ = optimizer_step(trained, stepping, args.max_grad_norm, scaler)
                 # a NaN loss gives NaN gradients (fp16: counted once the loss scale is down to 1)
@@ -2452,6 +2450,14 @@ def draw(policy, tokenizer, prompt_ids, args, update, device):
     with forward_autocast(args, device):
         return generate(policy, tokenizer, prompt_ids, device, sampler=sampler_autocast(args, device),
                         keys=row_keys(args, update, 1, 0, len(prompt_ids)))
+
+
+def sampler_autocast(args, device):
+    """The HF sampler's autocast, in which `generate` keeps its log-probs; None: not kept, as no update reads them."""
+    if args.vllm or (args.sampler_precision == "auto" and args.old_logprobs == "recompute" and not args.async_steps):
+        return None  # (vLLM: its own precision, its log-probs always kept)
+    return contextlib.nullcontext() if args.sampler_precision == "auto" else torch.autocast(  # (auto: --precision)
+        device.type, dtype=HALF.get(args.sampler_precision), enabled=args.sampler_precision in HALF)
 
 
 def forward_autocast(args, device):

@@ -303,6 +303,18 @@ MUTANTS = [
     ("policy-loss-falls-through", "ppo.py", '    if args.policy_loss == "ppo":\n', "    if True:\n"),
     # issue 62: a checkpoint of a never-stepped AdamW must not count torch's initialising step as its first
     ("fresh-adamw-saved-at-step-1", "ppo.py", "fresh = not opt.state  # never stepped", "fresh = False  # never stepped"),
+    # issue 66: PPO's epochs reshuffle the batch into new minibatches; issue 62: each random stream its own seeds
+    ("minibatch-deal-ignores-the-epoch", "ppo.py", 'STREAMS["minibatches"], update, epoch])',
+     'STREAMS["minibatches"], update, 0])'),
+    ("minibatch-deal-ignores-the-update", "ppo.py", 'STREAMS["minibatches"], update, epoch])',
+     'STREAMS["minibatches"], 1, epoch])'),
+    ("minibatch-stream-untagged", "ppo.py", '[args.seed, STREAMS["minibatches"], update, epoch]',
+     "[args.seed, update, epoch]"),
+    ("row-keys-untagged", "ppo.py", 'key = [args.seed, STREAMS["rows"], update,', "key = [args.seed, update,"),
+    # issue 62: PPO-ptx the same run on any number of ranks
+    ("ptx-keyed-by-the-local-offset", "ppo.py", "update, epoch, mb_start // mb_rows])", "update, epoch, mb_start])"),
+    ("ptx-a-mean-of-each-ranks-means", "ppo.py", "labels=labels, num_items_in_batch=tokens).loss * world",
+     "labels=labels).loss"),
     # issue 62: one meaning per bound value
     ("mask-low-0-takes-a-log", "ppo.py", "floor = math.log(low) if low > 0 else -math.inf", "floor = math.log(low)"),
     ("high-0-becomes-the-default", "ppo.py", "(high if self.rollout_correction_high is None",

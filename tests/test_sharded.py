@@ -206,6 +206,63 @@ def test_each_row_draws_and_trains_in_the_same_minibatch_on_any_number_of_ranks(
 
 
 @pytest.mark.fast
+def test_the_minibatch_deal_changes_every_epoch_and_update_and_is_the_same_on_any_ranks(monkeypatch):
+    """Issue 66: PPO's K epochs reshuffle the fixed batch into new minibatches. The 4 epochs of an update deal 64 rows
+    into 4 minibatches in 4 different ways, the next update in others again, each the same on 1, 2 and 4 ranks."""
+    import ppo
+    args = ppo.Args(batch_size=64, num_minibatches=4, seed=3)
+
+    def deal(update, epoch, world):  # the minibatches as sets of global rows, all ranks' slices put together
+        minibatches = [set() for _ in range(4)]
+        for rank in range(world):
+            monkeypatch.setattr(ppo, "rank_and_world", lambda: (rank, world))
+            order = (ppo.minibatch_order(args, update, epoch, 64 // world) + rank * (64 // world)).tolist()
+            for k in range(4):
+                minibatches[k] |= set(order[k * 16 // world:(k + 1) * 16 // world])
+        return sorted(map(sorted, minibatches))
+    deals = [deal(u, e, 1) for u in (1, 2) for e in range(4)]
+    assert all(deal(u, e, w) == deals[(u - 1) * 4 + e] for u in (1, 2) for e in range(4) for w in (2, 4))
+    assert len({str(d) for d in deals}) == 8  # (two deals of 64 rows alike by chance: ~1e-30)
+
+
+@pytest.mark.fast
+def test_no_two_random_streams_share_a_seed(world, monkeypatch):
+    """Issue 62: every NumPy seed ppo.py draws from in a run (prompts, rows' keys, minibatches, PPO-ptx, the held-out
+    split, evaluation) and in --dynamic-sampling's refills is a stream of its own: two different seeds never give
+    the same generator state, and one state is never drawn by two streams. (NumPy seeds [s, u] and [s, u, 0] alike:
+    untagged, minibatch_order's [s, u, 0] was row_keys' episode stream, and prompt pass u's generator its epoch 0.)"""
+    import inspect
+    import numpy as np
+    import ppo
+    from test_in_process import run_main
+    seen, real_rng, real_seq = set(), np.random.default_rng, np.random.SeedSequence
+
+    def recorded(real):
+        def draw(seed=None, *a, **kw):
+            caller = inspect.currentframe().f_back
+            while caller.f_code.co_name.startswith("<"):  # (a comprehension's frame: its function's)
+                caller = caller.f_back
+            caller = caller.f_code
+            if caller.co_filename == ppo.__file__ and seed is not None:  # (the libraries' own draws left out)
+                seen.add((caller.co_name, tuple(int(x) for x in np.atleast_1d(seed))))
+            return real(seed, *a, **kw)
+        return draw
+    monkeypatch.setattr(np.random, "default_rng", recorded(real_rng))
+    monkeypatch.setattr(np.random, "SeedSequence", recorded(real_seq))
+    run_main("test_streams", total_episodes=128, eval_every=1, ptx_coef=0.5, num_minibatches=2)
+    args = ppo.Args(batch_size=64, group_size=4)
+    for update, refill in ((1, 1), (1, 2), (2, 1)):
+        ppo.refill_order(update, refill, np.arange(400), args, 0, 1)
+    streams = {name for name, _ in seen}
+    assert {"prompt_order", "row_keys", "minibatch_order", "ptx_loss", "refill_order"} <= streams, streams
+    states = {}
+    for name, seed in seen:
+        states.setdefault(tuple(real_seq(seed).generate_state(4)), set()).add((name, seed))
+    shared = [s for s in states.values() if len(s) > 1]
+    assert not shared, shared
+
+
+@pytest.mark.fast
 def test_the_keyed_sampler_draws_from_hfs_distribution_and_a_row_only_from_its_key(world):
     """Over 4,000 keys the tokens drawn follow softmax(logits / T) after HF's own top-k and top-p filters (a
     chi-square bound), the log-probs kept are that filtered softmax's (the support --keep-sampling-mask scores, issue
