@@ -826,7 +826,8 @@ def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=
     clipped = pg_losses2 > pg_losses  # (b, t): tokens whose gradient the clip removed
     if dual_clip is not None:  # A < 0 and a huge ratio: cap the loss at -c A, a constant (Ye et al. 2020)
         capped = (advantages < 0) & (losses > -dual_clip * advantages)  # (b, t): no gradient there either
-        losses = torch.where(capped, -dual_clip * advantages, losses)  # (b, t)
+        losses = torch.where(advantages < 0, torch.min(losses, -dual_clip * advantages), losses)  # (b, t): a tie
+        # splits the gradient in two, as veRL's and AReaL's torch.min does
         clipped = clipped | capped  # (b, t)
     return losses, ratio, logratio, clipped.float()
 
@@ -908,7 +909,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         loss = (pg_losses * pg_weights).sum()
         if args.ent_coef > 0:
             loss = loss - args.ent_coef * (new_entropy * agg).sum()
-        if args.kl_in_loss:  # GRPO style: the KL to the reference is a loss term with a gradient
+        if args.kl_in_loss and not no_reference(args):  # GRPO style: the KL to the reference, a loss term
             kl = kl_penalty(new_logprobs, rollout.ref_logprobs[idx, :t], args.kl_estimator)  # (b, t)
             loss = loss + rollout.kl_coef * (kl * agg).sum()
         vf_losses = vf_clipped = torch.zeros_like(mc_mask)  # (b, t): critic-free estimators have no critic
@@ -1077,7 +1078,7 @@ def main(args: Args):
 
         # 4. per-token rewards: KL penalty everywhere, the score on the last real token (long responses: see inside)
         scores, bootstrap_value = long_responses(scores, has_eos, lengths, next_values, args)  # (B,), (B,) or None
-        kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
+        kl = 0 * mask if ref_policy is None else kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
         rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef,
                                                       turn_rewards)  # (B, T) each
         if args.whiten_rewards:
@@ -1297,6 +1298,9 @@ def check_args(args, world):
              f"--critic-warmup-updates need a critic: --adv-estimator {args.adv_estimator} has none (use gae)")
     if args.lora_rank and args.ref_model:
         fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
+    if args.ref_model and no_reference(args):
+        fail("--ref-model at --kl-coef 0: no KL reads a reference, so none is loaded; add --unread-reference to load "
+             "and run it anyway (its KL logged), or drop --ref-model")
     bf16_forwards = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available())
     if args.precision == "fp16" and world > 1:
         fail("--precision fp16 under torchrun is not written (each rank would scale by its own overflows): use bf16")
@@ -1374,9 +1378,9 @@ def check_args(args, world):
     if args.old_logprobs != "recompute" and (args.keep_sampling_mask or args.rollout_correction):
         fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction: not written yet")
     if args.async_steps and (world > 1 or env or args.vllm or args.dynamic_sampling or args.lora_rank
-                             or args.keep_sampling_mask):
-        fail("--async-steps 1 with torchrun, --env (the guess world's too), --vllm, --dynamic-sampling, --lora-rank or "
-             "--keep-sampling-mask is not written yet: drop one")
+                             or args.keep_sampling_mask or args.fp32_head):
+        fail("--async-steps 1 with torchrun, --env (the guess world's too), --vllm, --dynamic-sampling, --lora-rank, "
+             "--keep-sampling-mask or --fp32-head is not written yet: drop one")
     if args.rollout_correction and not (args.vllm or args.sampler_precision != "auto" or args.async_steps):
         fail("--rollout-correction corrects for a sampler apart from the trainer: add --vllm, --sampler-precision or "
              "--async-steps 1")
@@ -1565,6 +1569,8 @@ def load_models(args, device, log):
         critic_init = "reward" if reward_path is not None and rm_tokenizer is None else "policy"
     if critic_init == "reward" and not args.critic_model and (reward_path is None or rm_tokenizer is not None):
         fail("--critic-init reward needs a reward model that shares the policy's tokenizer; use --critic-init policy")
+    if args.unread_reference and args.kl_coef > 0:
+        log("note: --unread-reference changes nothing at --kl-coef > 0, where the KL reads the reference anyway")
     if args.lora_rank:
         policy = add_lora(load_model(AutoModelForCausalLM, policy_path, "--model", args), args, "--model")
         ref_policy = None if no_reference(args) else AdaptersOff(policy)
@@ -2377,7 +2383,7 @@ class Sampler:
         self.weights = copy.deepcopy(policy).share_memory()  # (not frozen: a frozen copy rounds otherwise)
         self.jobs, self.results, self.asked, self.ready, self.args, self.device, self.seconds = (
             spawn.Queue(), spawn.Queue(), None, ready, args, device, 0.0)
-        cores = torch.get_num_threads()  # on a CPU the cores are split: half each
+        self.cores = cores = torch.get_num_threads()  # on a CPU the cores are split: half each (until close)
         torch.set_num_threads(max(1, cores - cores // 2))
         self.process = spawn.Process(target=sampler_process, daemon=True, args=(
             self.weights, tokenizer, args, device, max(1, cores // 2), os.getpid(), self.jobs, self.results))
@@ -2418,13 +2424,15 @@ class Sampler:
         if self.ready is None and self.asked is None:  # a run's first update: drawn now, by the first weights
             self.ask(update, policy, prompts_of(update))
         (drawn_update, drawn), self.ready = self.wait(), None
-        assert drawn_update == update, f"update {update} was given the batch of update {drawn_update}"
+        if drawn_update != update:  # (a bug, not bad input; not an assert, which python -O drops)
+            raise RuntimeError(f"update {update} was given the batch of update {drawn_update}")
         if not last:
             self.ask(update + 1, policy, prompts_of(update + 1))
         return [x.to(self.device) if torch.is_tensor(x) else x for x in drawn]
 
     def close(self):
         self.jobs.put(None)  # (it ends by itself too, within a second of this process)
+        torch.set_num_threads(self.cores)
 
 
 def sampler_process(policy, tokenizer, args, device, threads, trainer, jobs, results):
@@ -2545,19 +2553,20 @@ def peak_rss_mb():
 def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp, device, llm):
     """Evaluation responses (--eval-samples k each), scored like the rollouts: eval/ metrics and a few sample rows."""
     rank, world = rank_and_world()
-    mine = list(range(rank, len(eval_ids) - len(eval_ids) % world, world))  # equal shares: all ranks join each forward
-    k = args.eval_samples
-    rows = [j for j in mine for _ in range(k)]  # each prompt k times, side by side
+    share, k = eval_share(len(eval_ids), rank, world), args.eval_samples
+    mine = [j for j in share if j is not None]  # the prompts this rank counts
+    rows = [len(eval_ids) - 1 if j is None else j for j in share for _ in range(k)]  # each prompt k times, side by side
+    counted = [j is not None for j in share for _ in range(k)]  # (rows,)
     # random streams of their own, keyed by (seed, update, prompt, try): with or without evaluation, a run trains
     # the same, and on any number of ranks it evaluates the same
     keys = row_keys(args, update, 2, 0, len(eval_ids) * k)
-    keys = [keys[j * k + t] for j in mine for t in range(k)]
+    keys = [keys[j * k + t] for j in rows[::k] for t in range(k)]
     sums, samples, passed = {}, [], []
     seeds = evaluation_seeds(args, len(eval_ids)) if models.env else None
     if seeds is not None:  # a prompt's k tries play the same episode
-        seeds = [seeds[j] for j in mine for _ in range(k)]
+        seeds = [seeds[j] for j in rows]
     for i in range(0, len(rows), local_batch):
-        idx = rows[i: i + local_batch]
+        idx, counts = rows[i: i + local_batch], torch.tensor(counted[i: i + local_batch], device=device)  # (b,) each
         tries = None if seeds is None else seeds[i: i + local_batch]  # --env: these episodes' seeds
         batch = sample(models, args, eval_rows, eval_ids, idx, tries, micro, amp, device, llm, args.eval_greedy,
                        keys=keys[i: i + local_batch])
@@ -2570,20 +2579,26 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
         if models.gold is not None:
             values["eval/gold"] = torch.tensor([models.gold(models.tokenizer.decode(r)) for r in responses])
         for name, v in values.items():
-            sums[name] = sums.get(name, 0.0) + v.sum().item()
-        passed += (total >= args.pass_threshold).tolist()
+            sums[name] = sums.get(name, 0.0) + v[counts.to(v.device)].sum().item()
+        passed += (total >= args.pass_threshold)[counts].tolist()
         firsts = models.tokenizer.batch_decode(qr[:, :P], skip_special_tokens=True)  # --env: the prompt
         samples += [{"step": update, "prompt": eval_rows[j]["prompt"] if models.env is None else firsts[n],
-                     "response": t, "score": s}
-                    for n, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))][: max(0, 8 - len(samples))]
+                     "response": t, "score": s} for n, (j, t, s) in enumerate(zip(idx, texts, total.tolist()))
+                    if counts[n]][: max(0, 8 - len(samples))]
     right = np.array(passed, dtype=int).reshape(len(mine), k).sum(1)  # (prompts,): how many of its k passed
     pass_sums = torch.tensor([sum(pass_at_k(k, int(c), j) for c in right) for j in range(1, k + 1)],
                              dtype=torch.float64, device=device)  # (k,): exact, not float32's 7 digits
-    n_responses, n_prompts = global_sum(torch.tensor([float(len(rows)), float(len(mine))], device=device)).tolist()
+    n_responses, n_prompts = global_sum(torch.tensor([float(len(mine) * k), float(len(mine))], device=device)).tolist()
     row = {name: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() / max(n_responses, 1)
            for name, v in sums.items()}
     row.update({f"eval/pass@{j + 1}": v / max(n_prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
     return row, samples
+
+
+def eval_share(n, rank, world):
+    """This rank's share of n evaluation prompts: rank, rank + N, ...; equal shares, as every rank joins each forward,
+    a rank short of prompts filling its own with None (evaluated as the last prompt, not counted)."""
+    return [j if j < n else None for j in range(rank, -(-n // world) * world, world)]
 
 
 def evaluation_seeds(args, n):
@@ -2737,12 +2752,17 @@ def save_checkpoint(args, run_dir, update, models, optimizers, schedulers, scale
     ckpt_root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(ckpt_root, f"step_{update}")
     tmp = final + ".tmp"
+    shards = trained_state(models, optimizers)  # (FSDP2: each rank checks its own shards; all stop together)
+    local = [getattr(x, "to_local", lambda: x)() for x in torch.utils._pytree.tree_leaves(shards) if torch.is_tensor(x)]
+    if global_sum(sum((~x.isfinite()).sum() for x in local if x.is_floating_point()).to(device)) > 0:
+        fail(f"update {update}: the weights or AdamW's moments hold NaN or inf; no checkpoint written, the earlier "
+             "ones are intact: lower the learning rates, then resume from one")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if world > 1:
         dist.barrier()  # (no rank writes into the folder before rank 0 has cleared it)
     try:
-        dcp.save(trained_state(models, optimizers), checkpoint_id=os.path.join(tmp, "shards"))
+        dcp.save(shards, checkpoint_id=os.path.join(tmp, "shards"))
         if rank == 0:
             torch.save(dict(step=update, kl_coef=kl_coef, best=best, world=world, drawn=drawn, scaler=scaler and
                             scaler.state_dict(), schedulers=[sch.state_dict() for sch in schedulers]),

@@ -1,7 +1,8 @@
 """Load a checkpoint (argv[1], a step_<k> folder) into a run's models and AdamW on this torchrun's number of
 ranks, as `ppo.main` resumes one, then gather the weights and the optimizers' states whole and compare them,
-bit for bit, with the checkpoint's own shards read whole (torch's dcp_to_torch_save). argv[2:]: the run's flags.
-Rank 0 writes "equal <n tensors>" or what differs to runs/<run>/reshard_<world>.txt."""
+bit for bit, with the checkpoint's own shards read whole (torch's dcp_to_torch_save); the run's newest checkpoint's
+weights also with the final models the run saved after it, so a save that stored the wrong state fails too.
+argv[2:]: the run's flags. Rank 0 writes "equal <n tensors>" or what differs to runs/<run>/reshard_<world>.txt."""
 import os
 import sys
 
@@ -41,9 +42,16 @@ if rank == 0:
              for k, v in loaded[name].items()]
     pairs += [(f"{name}_adamw.{k}.{s}", v, saved[f"{name}_adamw"]["state"][k][s]) for name in ("policy", "critic")
               if name in loaded for k, states in loaded[f"{name}_adamw"].items() for s, v in states.items()]
+    run_dir = os.path.dirname(os.path.dirname(ckpt))
+    if os.path.abspath(ckpt) == os.path.abspath(ppo.list_checkpoints(os.path.dirname(ckpt))[-1]):  # the last update's
+        from safetensors.torch import load_file
+        for name in [n for n in ("policy", "critic") if n in loaded]:
+            final = load_file(os.path.join(run_dir, name, "model.safetensors"))  # (the critic's: without "seq_cls.")
+            pairs += [(f"final {name}.{k}", v, final[k.removeprefix("seq_cls.")]) for k, v in loaded[name].items()
+                      if k.removeprefix("seq_cls.") in final]
     missing = set(saved["policy"]) - set(loaded["policy"])
     wrong = [n for n, a, b in pairs if not torch.equal(torch.as_tensor(a), torch.as_tensor(b))] + sorted(missing)
-    with open(os.path.join(os.path.dirname(os.path.dirname(ckpt)), f"reshard_{world}.txt"), "w") as f:
+    with open(os.path.join(run_dir, f"reshard_{world}.txt"), "w") as f:
         f.write(f"equal {len(pairs)}" if not wrong else "differ " + " ".join(wrong[:10]))
 dist.barrier() if world > 1 else None
 os._exit(0)  # (no interpreter teardown under gloo: see fsdp_update.py)

@@ -99,7 +99,7 @@ def test_the_sampler_dying_is_one_line_and_the_checkpoints_resume(world):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("flags", [dict(model="guess"), dict(vllm=True), dict(lora_rank=4),
+@pytest.mark.parametrize("flags", [dict(model="guess"), dict(vllm=True), dict(lora_rank=4), dict(fp32_head=True),
                                    dict(dynamic_sampling=True, adv_estimator="grpo", group_size=4)])
 def test_what_is_not_written_yet_is_refused(flags):
     with pytest.raises(ppo.UsageError, match="--async-steps 1 with torchrun, --env"):
@@ -117,3 +117,25 @@ def test_the_decoupled_objective_is_the_default_and_the_coupled_one_an_ablation(
     args = ppo.Args(async_steps=1, old_logprobs="sampler")  # PPO's ratio against the behaviour policy itself
     ppo.check_args(args, 1)
     assert args.rollout_correction is None and args.ratio_check_tol == float("inf")  # (one update behind: no check)
+
+
+@pytest.mark.fast
+def test_the_sampler_gives_its_threads_back_and_checks_the_batch_it_hands_over(world):
+    """Issue 62: the trainer halves torch's threads for the sampler process and has them back once it closes; a batch
+    drawn for another update is refused with a RuntimeError, which `python -O` keeps (it drops an assert)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    policy = AutoModelForCausalLM.from_pretrained(world[0])
+    tokenizer = AutoTokenizer.from_pretrained(world[0], padding_side="left")
+    args = ppo.Args(async_steps=1, **FLAGS)
+    ppo.check_args(args, 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (whatever this worker has: two, to halve)
+    try:
+        sampler = ppo.Sampler(policy, tokenizer, args, torch.device("cpu"), ready=(5, []))  # update 5's batch
+        assert torch.get_num_threads() == 1
+        with pytest.raises(RuntimeError, match="update 6 was given the batch of update 5"):
+            sampler.take(6, policy, [[1, 2]], last=True)
+        sampler.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -191,3 +191,20 @@ def test_adamw_is_fused_where_torch_has_the_kernel_and_says_which_ran():
 def test_lora_and_two_ranks_run_the_fused_kernel(world, capsys):
     run_main("test_fused_lora", lora_rank=4, total_episodes=32, batch_size=32)
     assert "policy's AdamW: fused" in capsys.readouterr().out
+
+
+@pytest.mark.fast
+def test_at_beta_0_no_kl_term_reads_the_reference_that_was_not_run(world, monkeypatch, capsys):
+    """Issue 62: at beta 0 no reference runs, so no KL is taken against its zeros (k3 of a log-prob below -88.7
+    overflows, and 0 x inf is NaN): not in the reward, not in the loss (--kl-in-loss). A --ref-model there would never
+    be read: refused in one line; --unread-reference at beta > 0 changes nothing, and the run says so."""
+    calls, real = [], ppo.kl_penalty
+    monkeypatch.setattr(ppo, "kl_penalty", lambda *a: calls.append(a[0].shape) or real(*a))
+    rows = run_main("test_beta0_kl", kl_coef=0.0, kl_in_loss=True, kl_estimator="k3", adv_estimator="grpo",
+                    group_size=4)
+    assert [c for c in calls if c != (1, 1)] == [] and "objective/kl" not in rows[0]  # (check_args' probe: 1 x 1)
+    with pytest.raises(ppo.UsageError, match="--ref-model at --kl-coef 0"):
+        ppo.check_args(ppo.Args(kl_coef=0.0, ref_model="toy"), 1)
+    ppo.check_args(ppo.Args(kl_coef=0.0, ref_model="toy", unread_reference=True), 1)  # (loaded and run: allowed)
+    run_main("test_unread_beta", unread_reference=True, num_ppo_epochs=1)
+    assert "note: --unread-reference changes nothing at --kl-coef > 0" in capsys.readouterr().out

@@ -107,3 +107,19 @@ def test_a_checkpoint_changes_nothing_in_the_run(world, case, monkeypatch):
     assert without_timings(saved) == without_timings(plain)
     if case == "fp16-skipped":  # (the case holds: nothing stepped before the first save, something after)
         assert plain[0]["ppo/skipped_steps"] == plain[0]["ppo/epochs"] and plain[1]["ppo/skipped_steps"] < 4
+
+
+@pytest.mark.fast
+def test_no_checkpoint_is_written_with_non_finite_state(world, monkeypatch):
+    """Issue 62 (docs/runs-that-die.md: never a checkpoint with non-finite weights): an AdamW moment turned inf by the
+    update's last step stops the run in one line before the checkpoint is written; the folder holds no step_1."""
+    real = ppo.optimizer_step
+
+    def overflowing(models, optimizers, *a, **kw):
+        out = real(models, optimizers, *a, **kw)
+        next(iter(optimizers[-1].state.values()))["exp_avg"].fill_(float("inf"))  # the critic's first moment
+        return out
+    monkeypatch.setattr(ppo, "optimizer_step", overflowing)
+    with pytest.raises(ppo.UsageError, match="update 1: the weights or AdamW's moments hold NaN or inf"):
+        run_main("test_nonfinite_save", save_every=1)
+    assert not os.path.exists("runs/test_nonfinite_save/checkpoints/step_1")

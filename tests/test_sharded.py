@@ -65,10 +65,13 @@ def saved(world):
 
 @pytest.mark.parametrize("source,n", [("test_shard_two", 1), ("test_shard_two", 4), ("test_shard_one", 2)])
 def test_a_checkpoint_loads_on_another_number_of_ranks_exactly(saved, source, n):
-    out = torchrun(n, "tests/reshard_check.py", f"runs/{source}/checkpoints/step_1", *FLAGS)
+    """Update 3's checkpoint (the run's last) on n ranks: each weight and AdamW state equal to the checkpoint's shards,
+    and each weight to the final models the run saved (issue 62: the shards alone would pass a save of the wrong
+    state)."""
+    out = torchrun(n, "tests/reshard_check.py", f"runs/{source}/checkpoints/step_3", *FLAGS)
     assert out.returncode == 0, out.stderr[-3000:]
     result = open(f"runs/{source}/reshard_{n}.txt").read()
-    assert result.startswith("equal") and int(result.split()[1]) > 40, result  # both models' weights, m and v, steps
+    assert result.startswith("equal") and int(result.split()[1]) > 60, result  # weights (twice), m, v and steps
 
 
 def test_one_two_and_four_ranks_continue_the_same_run(saved):
@@ -81,11 +84,25 @@ def test_one_two_and_four_ranks_continue_the_same_run(saved):
 
 
 @pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
-def test_ppo_ptx_is_the_same_run_on_one_and_two_ranks(world):
+def test_ppo_ptx_and_evaluation_are_the_same_run_on_one_and_two_ranks(world):
     """Issue 62: PPO-ptx's rows are drawn by (seed, update, epoch, minibatch), not by a rank's local offset, and its
-    loss is a mean over every rank's tokens, not a mean of each rank's means: 4 minibatches on 1 rank and on 2."""
-    flags = ["--ptx-coef", "0.5", "--num-minibatches", "4", "--micro-batch-size", "8"]
-    assert_same_run(run(2, "test_shard_ptx_two", *flags), run(1, "test_shard_ptx_one", *flags))
+    loss is a mean over every rank's tokens, not a mean of each rank's means: 4 minibatches on 1 rank and on 2. And
+    5 evaluation prompts on 2 ranks are 5, not 4 (the last rank repeats one, uncounted)."""
+    flags = ["--ptx-coef", "0.5", "--num-minibatches", "4", "--micro-batch-size", "8", "--eval-every", "3",
+             "--eval-size", "5"]
+    two, one = run(2, "test_shard_ptx_two", *flags), run(1, "test_shard_ptx_one", *flags)
+    assert "eval/score" in one[-1]
+    assert_same_run(two, one)
+
+
+@pytest.mark.fast
+def test_every_evaluation_prompt_is_counted_once_on_any_number_of_ranks():
+    import ppo
+    for n in range(1, 10):
+        for world in range(1, 5):
+            shares = [ppo.eval_share(n, rank, world) for rank in range(world)]
+            assert len({len(s) for s in shares}) == 1  # equal shares: every rank joins each forward
+            assert sorted(j for s in shares for j in s if j is not None) == list(range(n))
 
 
 def test_two_nodes_train_checkpoint_die_and_resume_exactly(world):

@@ -45,6 +45,21 @@ def test_dual_clip_caps_the_loss_of_negative_advantages_only():
 
 
 @pytest.mark.fast
+def test_the_dual_clip_on_an_exact_tie_takes_verls_and_areals_gradient():
+    """Issue 62: where -A r equals the cap -c A exactly, the loss is veRL's and AReaL's torch.min(-c A, loss), whose
+    gradient a tie splits in two; the token's gradient is theirs, not twice it."""
+    old, adv = torch.zeros(1, 1), torch.tensor([[-1.0]])
+    new = torch.log(torch.tensor([[3.0]])).requires_grad_()
+    c = torch.exp(new - old).item()  # the cap at the ratio itself, as fp32 computes it: an exact tie
+    ppo.policy_loss(new, old, adv, 0.2, dual_clip=c)[0].sum().backward()
+    theirs = new.detach().clone().requires_grad_()  # veRL 0.9.1's compute_policy_loss, written out
+    r = torch.exp(theirs - old)
+    clip1 = torch.max(-adv * r, -adv * torch.clamp(r, 0.8, 1.2))
+    torch.where(adv < 0, torch.min(-adv * c, clip1), clip1).sum().backward()
+    assert new.grad.item() == theirs.grad.item() == pytest.approx(1.5)  # d(-A r)/d log r = 3, halved by the tie
+
+
+@pytest.mark.fast
 def test_loss_weights():
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0]])
     lengths = torch.tensor([4, 1])
