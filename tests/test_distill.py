@@ -64,6 +64,21 @@ def test_the_reward_form_is_each_sampled_tokens_reverse_kl_to_the_teacher(world,
     assert "objective/kl" not in row  # beta 0: no reference loaded or run
 
 
+def test_an_agents_observations_take_no_teacher_term(tmp_path, monkeypatch):
+    """The guess world's episodes: the teacher scores the agent's tokens only; an observation's tokens (off the
+    mask) take no term, as they take no KL."""
+    import guess
+    teacher = perturbed_teacher((guess.build_world()[0],), tmp_path / "teacher")
+    seen, real_row = [], ppo.metrics_row
+    monkeypatch.setattr(ppo, "metrics_row", lambda u, a, r, *x, **k: seen.append(r) or real_row(u, a, r, *x, **k))
+    rows = run_main("test_distill_guess", model="guess", teacher=teacher, kl_coef=0.0, total_episodes=32,
+                    batch_size=32)
+    r = seen[0]
+    observations = (1 - r.mask) * r.attention_mask[:, -r.mask.shape[1]:]  # (B, T): the env's tokens
+    assert rows[0]["env/turns"] > 1 and observations.sum() > 0
+    assert (r.non_score_reward[observations.bool()] == 0).all() and (r.non_score_reward[r.mask.bool()] != 0).any()
+
+
 @pytest.mark.fast
 def test_a_teacher_changes_the_old_log_probs_path_and_bad_input_is_one_line(world, tmp_path):
     """Phase 4 reads the old log-probs with a teacher, so auto recomputes them even where one step would be
