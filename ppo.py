@@ -176,6 +176,10 @@ class Args:
     """the frozen reference of the KL penalty (None: --model)"""
     unread_reference: bool = False
     """at --kl-coef 0 load the reference and run its pass anyway (the textbook's; False: neither, as TRL)"""
+    teacher: OptStr = None
+    """on-policy distillation's teacher: a causal LM with --model's tokenizer (None: none)"""
+    distill_coef: float = 1.0
+    """the teacher's term: each token's reward -coef (log p - log p_teacher), a k1"""
 
     # 5-6. advantages
     adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
@@ -297,9 +301,9 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward of policy and critic (less memory, about 30% slower)"""
     shard_frozen: bool = True
-    """under torchrun, shard the reference and reward model too (False: a whole copy on each rank)"""
+    """under torchrun, shard the reference, teacher and reward model too (False: a whole copy on each rank)"""
     offload_frozen: bool = False
-    """keep the reference and reward model on the CPU but for the no-grad passes"""
+    """keep the reference, teacher and reward model on the CPU but for the no-grad passes"""
     trust_remote_code: bool = False
     """let checkpoints run their own code (only for checkpoints you trust)"""
 
@@ -360,7 +364,8 @@ class Args:
             self.rollout_correction = "decoupled"  # AReaL's decoupled PPO: tokens weighted proximal / behaviour, capped
         if self.old_logprobs == "auto":  # the ratio is 1 by construction: nothing moves the policy before the
             on_policy = (self.num_ppo_epochs, self.num_minibatches, self.kl_coef) == (1, 1, 0)  # one step, and nothing
-            on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask)  # reads them
+            on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask  # read them
+                              or self.teacher)
             self.old_logprobs = "on-policy" if on_policy else "recompute"
         if self.ratio_check_tol is None:  # against the sampler its gap counts too; off where it is stale (async)
             self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else math.inf if self.async_steps else 5e-2
@@ -531,23 +536,6 @@ def row_keys(args, update, stream, rank, n, group=1):
     return [int(k) for k in keys[np.arange(n) // group * group]]  # (n,) uint32 each
 
 
-def refill_order(update, refill, questions, args, rank, world):
-    """--dynamic-sampling's rows for refill round `refill`, as `prompt_order`'s: questions not drawn yet, or None."""
-    n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
-    drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
-    for r in range(1, refill + 1):
-        order = np.random.default_rng([args.seed, STREAMS["refills"], update, r]).permutation(n_rows)  # (n_rows,)
-        order = order[~np.isin(questions[order], questions[drawn])]  # the questions not drawn yet...
-        order = order[np.sort(np.unique(questions[order], return_index=True)[1])][:n_prompts]  # ...each once
-        order = order[:len(order) // world * world]  # equal shares
-        if len(order) == 0:
-            return None
-        drawn = np.concatenate([drawn, order])
-    batch_idx = np.repeat(order, args.group_size)  # (b,): groups side by side
-    share = len(batch_idx) // world
-    return batch_idx[rank * share: (rank + 1) * share]  # (b / N,)
-
-
 def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
     """DAPO's dynamic sampling (Yu et al. 2025): drop the groups that all scored the same, refill; batch, metrics."""
     rank, world = rank_and_world()
@@ -641,12 +629,13 @@ class ValueModel(nn.Module):
 
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
-                   sampler_filter=None, chunk=0, budget=None):
-    """Phase 3 but the score: old and reference log-probs, entropies, values (B, T), the next values (B,), support."""
+                   sampler_filter=None, chunk=0, budget=None, teacher=None):
+    """Phase 3 but the score: old, reference and teacher log-probs, entropies, values (B, T), the next values (B,),
+    support."""
     B, T = mask.shape
     lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
-    ref_logprobs = torch.zeros_like(logprobs)  # (B, T)
+    ref_logprobs, teacher_logprobs = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T) each
     entropy = torch.full_like(logprobs, 0.0 if policy is not None else math.nan)  # (B, T): NaN until a pass fills it
     values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
     kept_pos, kept_tok, keep = [], [], None  # the sampler's support: (position in B*T, token id) pairs, not B x T x V
@@ -661,12 +650,14 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
             kept_tok.append(keep[1])
         if ref_policy is not None:  # (b, t): on the policy's support
             ref_logprobs[rows, :t] = policy_logprobs(ref_policy, qr, am, P, temperature, keep=keep, chunk=chunk)[0]
+        if teacher is not None:  # (b, t): the teacher in the reference's place, on the same support
+            teacher_logprobs[rows, :t] = policy_logprobs(teacher, qr, am, P, temperature, keep=keep, chunk=chunk)[0]
         if critic is not None:
             values_all[rows, :t + 1] = state_values(critic, qr, am, P)  # (b, t+1)
     values = values_all[:, :T] * mask  # (B, T): V before each response token, 0 on padding
     next_values = values_all.gather(1, lengths[:, None]).squeeze(1)  # (B,): V after the last token
     support = pack_support(torch.cat(kept_pos), torch.cat(kept_tok), B * T) if sampler_filter else None
-    return logprobs, ref_logprobs, entropy, values, next_values, support
+    return logprobs, ref_logprobs, entropy, values, next_values, support, teacher_logprobs
 
 
 def score(models, args, rows, texts, query_responses, attention_mask, lengths, P, micro, turn_rewards=None):
@@ -682,7 +673,7 @@ def score(models, args, rows, texts, query_responses, attention_mask, lengths, P
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", args.prompt_column)}
         parts["reward_fn"] = args.reward_fn_weight * reward_fn_scores(
             models.reward_fn, args, [r["prompt"] for r in rows], texts, columns, lengths.device)
-    return sum(parts.values()), parts
+    return sum(parts.values(), torch.zeros(len(lengths), device=lengths.device)), parts  # (--teacher alone: 0)
 
 
 # --- phase 4: KL and per-token rewards --------------------------------------------------------
@@ -700,9 +691,10 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
     fail(f"--kl-estimator {estimator!r} has no branch in kl_penalty (k1, k2, k3, abs)")  # (a fork's typo: no default)
 
 
-def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None):
-    """-beta * KL_t on every token, plus the score on the last real token (--env: each step's on its turn's last)."""
-    non_score_reward = -kl_coef * kl  # (B, T)
+def per_token_rewards(kl, scores, lengths, kl_coef, turn_rewards=None, distill=0.0):
+    """-beta * KL_t (and --teacher's -coef * KL_t to it) on every token, plus the score on the last real token (--env:
+    each step's on its turn's last)."""
+    non_score_reward = -kl_coef * kl - distill  # (B, T)
     rewards = non_score_reward.clone()  # (B, T)
     last = (torch.arange(len(rewards)), lengths - 1)  # the episode ends on an agent token
     if turn_rewards is not None:
@@ -813,6 +805,7 @@ class Rollout:
     kept: Optional[torch.Tensor] = None  # (B, T): --rollout-correction, the mask of the tokens left in the losses
     corrected: Optional[torch.Tensor] = None  # (B, T): --rollout-correction, 1 where it capped, zeroed or masked
     turn_ends: Optional[torch.Tensor] = None  # (B, T): --env, 1 on the last agent token of each turn
+    teacher_logprobs: Optional[torch.Tensor] = None  # (B, T): --teacher's, else None
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, clip_eps, clip_eps_high=None, dual_clip=None):
@@ -1068,10 +1061,10 @@ def main(args: Args):
         # 3. no-grad passes: old (unless --old-logprobs skips them) and reference log-probs, values (score: in `sample`)
         move(models.swapped, device)
         with amp:
-            logprobs, ref_logprobs, entropy, values, next_values, support = rollout_passes(
+            logprobs, ref_logprobs, entropy, values, next_values, support, teacher_logprobs = rollout_passes(
                 policy if args.old_logprobs == "recompute" else None, ref_policy, critic, query_responses,
                 attention_mask, mask, P, micro, args.temperature, sampler_filter, args.logprob_chunk,
-                args.micro_batch_tokens)  # (B, T) each; next_values (B,)
+                args.micro_batch_tokens, models.teacher)  # (B, T) each; next_values (B,)
         move(models.swapped, "cpu")  # free the accelerator for phase 7
         if args.old_logprobs == "sampler":  # veRL's bypass mode: the ratio is then against the sampler itself
             logprobs = engine_logprobs * mask  # (B, T): 0 on observations (never a sampler's value there)
@@ -1079,8 +1072,9 @@ def main(args: Args):
         # 4. per-token rewards: KL penalty everywhere, the score on the last real token (long responses: see inside)
         scores, bootstrap_value = long_responses(scores, has_eos, lengths, next_values, args)  # (B,), (B,) or None
         kl = 0 * mask if ref_policy is None else kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
+        distill = args.distill_coef * (logprobs - teacher_logprobs) * mask if args.teacher else 0.0  # (B, T): k1
         rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef,
-                                                      turn_rewards)  # (B, T) each
+                                                      turn_rewards, distill)  # (B, T) each
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)  # (B, T)
 
@@ -1102,7 +1096,8 @@ def main(args: Args):
         t1 = time.perf_counter()
         rollout = Rollout(query_responses, attention_mask, lengths, mask, has_eos, logprobs, ref_logprobs, entropy,
                           support, values, scores, kl, non_score_reward, rewards, advantages, returns, kl_coef,
-                          turn_ends=turn_ends, engine_logprobs=engine_logprobs)  # old log-probs: the trainer's own
+                          turn_ends=turn_ends, engine_logprobs=engine_logprobs,
+                          teacher_logprobs=teacher_logprobs if args.teacher else None)  # old log-probs: the trainer's
         if args.rollout_correction:  # the sampler's gap, weighted or masked in the losses (see inside)
             rollout.is_weights, rollout.kept, rollout.corrected = rollout_correction(
                 logprobs, engine_logprobs, mask, args.rollout_correction, args.rollout_correction_low,
@@ -1298,6 +1293,8 @@ def check_args(args, world):
              f"--critic-warmup-updates need a critic: --adv-estimator {args.adv_estimator} has none (use gae)")
     if args.lora_rank and args.ref_model:
         fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
+    if args.distill_coef != 1.0 and not args.teacher:
+        fail("--distill-coef weighs the teacher's term: add --teacher PATH, or drop --distill-coef")
     if args.ref_model and no_reference(args):
         fail("--ref-model at --kl-coef 0: no KL reads a reference, so none is loaded; add --unread-reference to load "
              "and run it anyway (its KL logged), or drop --ref-model")
@@ -1326,8 +1323,9 @@ def check_args(args, world):
              "total_episodes batch_size num_minibatches num_ppo_epochs group_size micro_batch_size micro_batch_tokens "
              "eval_size eval_samples kl_horizon target_kl kl_target lam_alpha value_clip_eps clip_eps_high "
              "keep_checkpoints max_nonfinite_steps ratio_check_tol rollout_correction_high"),
-            (">= 0", lambda x: x >= 0, "kl_coef vf_coef ent_coef ptx_coef max_grad_norm critic_warmup_updates top_k "
-             "sample_every eval_every save_every dynamic_sampling_rounds rollout_correction_low"),
+            (">= 0", lambda x: x >= 0, "kl_coef distill_coef vf_coef ent_coef ptx_coef max_grad_norm "
+             "critic_warmup_updates top_k sample_every eval_every save_every dynamic_sampling_rounds "
+             "rollout_correction_low"),
             ("finite", math.isfinite, "kl_coef kl_target pass_threshold missing_eos_penalty "
              "reward_model_weight reward_fn_weight"),
             ("in [0, 1]", lambda x: 0 <= x <= 1, "gamma lam critic_lam"),
@@ -1373,8 +1371,9 @@ def check_args(args, world):
     if args.resume == "auto" and args.run_name is None:
         fail("--resume auto needs the --run-name of the run to continue")
     if args.old_logprobs == "on-policy" and ((args.num_ppo_epochs, args.num_minibatches, args.kl_coef) != (1, 1, 0)
-                                             or args.unread_reference):
-        fail("--old-logprobs on-policy needs 1 epoch, 1 minibatch, --kl-coef 0, no --unread-reference: use recompute")
+                                             or args.unread_reference or args.teacher):
+        fail("--old-logprobs on-policy needs 1 epoch, 1 minibatch, --kl-coef 0, no --unread-reference, no --teacher "
+             "(phase 4 reads the old log-probs): use recompute")
     if args.old_logprobs != "recompute" and (args.keep_sampling_mask or args.rollout_correction):
         fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction: not written yet")
     if args.async_steps and (world > 1 or env or args.vllm or args.dynamic_sampling or args.lora_rank
@@ -1472,6 +1471,7 @@ class Models:
     stop_ids: list  # the token ids that end a response, one set for the whole run
     policy: nn.Module
     ref_policy: nn.Module
+    teacher: Optional[nn.Module]  # --teacher, frozen as the reference is; else None
     critic: Optional[nn.Module]  # a ValueModel; None for the critic-free estimators
     reward_model: Optional[nn.Module]  # a ValueModel; None when --reward-fn alone scores
     rm_tokenizer: object  # the reward model's own tokenizer; None when it reads the policy's tokens
@@ -1544,8 +1544,9 @@ def load_models(args, device, log):
         policy_path, world_reward = world.build_world()
         reward_path = reward_path or (None if args.reward_fn or args.env else world_reward)
         gold = None if args.env else getattr(world, "gold", None)
-    if reward_path is None and args.reward_fn is None and args.env is None:
-        fail("no reward: give --reward-model (a sequence classifier with one label) and/or --reward-fn FILE.py:NAME")
+    if reward_path is None and args.reward_fn is None and args.env is None and args.teacher is None:
+        fail("no reward: give --reward-model (a sequence classifier with one label), --reward-fn FILE.py:NAME and/or "
+             "--teacher PATH")
     reward_fn = load_python(args.reward_fn, "--reward-fn") if args.reward_fn else None
     if reward_fn is not None and not callable(reward_fn):
         fail(f"--reward-fn {args.reward_fn!r} is a {type(reward_fn).__name__}, not a function "
@@ -1578,6 +1579,11 @@ def load_models(args, device, log):
         policy = load_model(AutoModelForCausalLM, policy_path, "--model", args)
         ref_policy = None if no_reference(args) else load_model(AutoModelForCausalLM, args.ref_model or policy_path,
                                                                 "--ref-model", args)
+    teacher = args.teacher and load_model(AutoModelForCausalLM, args.teacher, "--teacher", args)
+    theirs = args.teacher and load_tokenizer(args.teacher, "--teacher", args)
+    if theirs and (theirs.get_vocab(), theirs.chat_template) != (tokenizer.get_vocab(), tokenizer.chat_template):
+        fail(f"--teacher {args.teacher}'s tokenizer ({len(theirs)} tokens) is not --model {args.model}'s "
+             f"({len(tokenizer)} tokens), or its chat template differs: a teacher here scores the student's own ids")
     reward_model = reward_path and ValueModel(load_model(AutoModelForSequenceClassification, reward_path,
                                                          "--reward-model", args))
     critic_path = args.critic_model or (reward_path if critic_init == "reward" else policy_path)
@@ -1603,11 +1609,11 @@ def load_models(args, device, log):
     if rm_tokenizer is not None and rm_tokenizer.pad_token is None:  # right padding, read before it: any id
         rm_tokenizer.pad_token = rm_tokenizer.eos_token or rm_tokenizer.convert_ids_to_tokens(0)
     shares_tokens = [m.seq_cls for m in (critic, reward_model if rm_tokenizer is None else None) if m]
-    for model in [policy] + [ref_policy] * (not args.lora_rank and ref_policy is not None) + shares_tokens:
-        if model.get_input_embeddings().num_embeddings < len(tokenizer):
+    for model in [policy, teacher] + [ref_policy] * (not args.lora_rank and ref_policy is not None) + shares_tokens:
+        if model and model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     policy, ref_policy, critic = (m and m.to(device) for m in (policy, ref_policy, critic))
-    if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy) if m):
+    if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy, teacher) if m):
         log(f"{type(policy).__name__} transforms its logits after the head: log-probs from all the logits at once")
         args.logprob_chunk = 0  # (so config.json says what runs)
     if args.lora_base_dtype == "bf16":  # (after the head check, whose forward runs without autocast)
@@ -1616,9 +1622,9 @@ def load_models(args, device, log):
     for model in [m for m in (policy, ref_policy) if m] if args.fp32_head else ():  # (LoRA: one head for both)
         fp32_head(model.get_output_embeddings())
     frozen_device = torch.device("cpu") if args.offload_frozen else device
-    reward_model, ref_policy = (m and m.to(frozen_device) for m in (reward_model, ref_policy))
+    reward_model, ref_policy, teacher = (m and m.to(frozen_device) for m in (reward_model, ref_policy, teacher))
     stored = (stored_dtype(policy_path, args), critic and stored_dtype(critic_path, args))  # the final models' dtypes
-    return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, critic,
+    return Models(tokenizer, shipped_tokenizer, policy.generation_config, stop_ids, policy, ref_policy, teacher, critic,
                   reward_model, rm_tokenizer, reward_fn, env, gold, policy_path, critic_path, stored, swapped=[])
 
 
@@ -1751,10 +1757,12 @@ def shard_models(models, args, device, world):
         m.critic = m.critic and shard(m.critic, m.critic.seq_cls._no_split_modules or [])
         if args.shard_frozen and not args.lora_rank and m.ref_policy:  # (LoRA: the reference is the policy's view)
             m.ref_policy = shard(m.ref_policy, m.ref_policy._no_split_modules or [], args.offload_frozen)
+        if args.shard_frozen and m.teacher:
+            m.teacher = shard(m.teacher, m.teacher._no_split_modules or [], args.offload_frozen)
         if args.shard_frozen:
             m.reward_model = m.reward_model and shard(m.reward_model, m.reward_model.seq_cls._no_split_modules or [],
                                                       args.offload_frozen)
-    frozen = [x for x in (m.ref_policy, m.reward_model) if x and not isinstance(x, AdaptersOff)]  # never trained
+    frozen = [x for x in (m.ref_policy, m.teacher, m.reward_model) if x and not isinstance(x, AdaptersOff)]  # (fixed)
     m.swapped = frozen if args.offload_frozen and not (world > 1 and args.shard_frozen) else []  # whole, for phase 3
     for model in frozen:
         model.requires_grad_(False)
@@ -2136,6 +2144,23 @@ def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, tu
 
 
 # --- a batch of samples in parts (--dynamic-sampling) -----------------------------------------
+def refill_order(update, refill, questions, args, rank, world):
+    """--dynamic-sampling's rows for refill round `refill`, as `prompt_order`'s: questions not drawn yet, or None."""
+    n_prompts, n_rows = args.batch_size // args.group_size, len(questions)
+    drawn = prompt_order(update, n_rows, args, 0, args.batch_size)  # (B,): the update's batch, all ranks'
+    for r in range(1, refill + 1):
+        order = np.random.default_rng([args.seed, STREAMS["refills"], update, r]).permutation(n_rows)  # (n_rows,)
+        order = order[~np.isin(questions[order], questions[drawn])]  # the questions not drawn yet...
+        order = order[np.sort(np.unique(questions[order], return_index=True)[1])][:n_prompts]  # ...each once
+        order = order[:len(order) // world * world]  # equal shares
+        if len(order) == 0:
+            return None
+        drawn = np.concatenate([drawn, order])
+    batch_idx = np.repeat(order, args.group_size)  # (b,): groups side by side
+    share = len(batch_idx) // world
+    return batch_idx[rank * share: (rank + 1) * share]  # (b / N,)
+
+
 def pick(batch, idx):
     """The rows `idx` (n,) of a Sampled."""
     def take(x):
@@ -2496,6 +2521,8 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
                "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
                # the KL to the reference as k1 estimates it, whatever --kl-estimator is: comparable across estimators
                "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item()}),
+           **({} if rollout.teacher_logprobs is None else {  # --teacher: the reverse KL to it, k1 summed a response
+               "objective/distill_kl": ((rollout.logprobs - rollout.teacher_logprobs) * mask).sum(1).mean().item()}),
            "objective/kl_coef": kl_coef, "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
            "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
            # the tokens a pass saw (phase 3's, or epoch 0's where --old-logprobs skips it and --target-kl stops early)

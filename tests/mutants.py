@@ -315,6 +315,17 @@ MUTANTS = [
     ("ptx-keyed-by-the-local-offset", "ppo.py", "update, epoch, mb_start // mb_rows])", "update, epoch, mb_start])"),
     ("ptx-a-mean-of-each-ranks-means", "ppo.py", "labels=labels, num_items_in_batch=tokens).loss * world",
      "labels=labels).loss"),
+    # issue 63: on-policy distillation, the reward form
+    ("teacher-reward-sign-flipped", "ppo.py", "args.distill_coef * (logprobs - teacher_logprobs)",
+     "args.distill_coef * (teacher_logprobs - logprobs)"),
+    ("teacher-reward-off-the-mask", "ppo.py", "(logprobs - teacher_logprobs) * mask if args.teacher",
+     "(logprobs - teacher_logprobs) if args.teacher"),
+    ("teacher-at-another-temperature", "ppo.py", "policy_logprobs(teacher, qr, am, P, temperature,",
+     "policy_logprobs(teacher, qr, am, P, 1.0,"),
+    ("teacher-tokenizer-not-checked", "ppo.py", "if theirs and (theirs.get_vocab(), theirs.chat_template)",
+     "if False and (theirs.get_vocab(), theirs.chat_template)"),
+    ("on-policy-old-logprobs-with-a-teacher", "ppo.py", "  # read them\n                              or self.teacher)",
+     "  # read them\n                              or False)"),
     # issue 62: the smaller findings
     ("evaluation-drops-the-last-prompts", "ppo.py", "for j in range(rank, -(-n // world) * world, world)]",
      "for j in range(rank, n - n % world, world)]"),

@@ -152,7 +152,8 @@ def test_a_size_limit_says_it_is_one_and_how_a_fork_turns_it_off(monkeypatch):
 PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "reward_model_scores", "render_for_rm",
             "env_call", "env_step", "first_observation", "observation_ids", "question", "pick", "join",
             "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs",
-            "micro_batches", "chunked_logprobs", "global_max", "play", "no_reference", "sampler_autocast"}
+            "micro_batches", "chunked_logprobs", "global_max", "play", "no_reference", "sampler_autocast",
+            "refill_order"}
 
 
 @pytest.mark.fast

@@ -67,7 +67,7 @@ def test_rollout_passes_equal_each_row_alone(world, chunk):
             p.add_(0.05 * torch.randn_like(p))  # a reference that differs from the policy
     seq_cls = AutoModelForSequenceClassification.from_pretrained(world[1]).eval()
     critic = ppo.ValueModel(seq_cls)
-    logprobs, ref_logprobs, entropy, values, next_values, support = ppo.rollout_passes(
+    logprobs, ref_logprobs, entropy, values, next_values, support, _ = ppo.rollout_passes(
         policy, ref, critic, qr, am, mask, P, micro=5, temperature=T_HOT, chunk=chunk)
     assert support is None
     for i in range(len(lengths)):
@@ -98,7 +98,7 @@ def test_reward_model_reads_the_last_real_token(world):
 @pytest.mark.parametrize("chunk", [0, 7])
 def test_the_support_is_kept_at_rollout_when_top_k_binds(world, chunk):
     policy, qr, am, lengths, mask, P = sampled_batch(world, top_k=2, seed=2)
-    logprobs, ref_logprobs, _, _, _, support = ppo.rollout_passes(policy, policy, None, qr, am, mask, P, micro=5,
+    logprobs, ref_logprobs, _, _, _, support, _ = ppo.rollout_passes(policy, policy, None, qr, am, mask, P, micro=5,
                                                                   temperature=T_HOT, sampler_filter=(2, 1.0),
                                                                   chunk=chunk)
     assert torch.equal(ref_logprobs, logprobs)  # the reference on the same support: KL 0 while it is the policy

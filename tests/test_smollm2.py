@@ -77,7 +77,7 @@ def test_padding_is_never_sampled_scored_or_trained(smol):
     for i in range(len(lengths)):
         if has_eos[i]:
             assert responses[i, lengths[i] - 1] == 2  # ends at <|im_end|>
-    _, _, _, values, _, _ = ppo.rollout_passes(policy, models.ref_policy, models.critic, qr, am, mask, P, 2, 0.7)
+    _, _, _, values, _, _, _ = ppo.rollout_passes(policy, models.ref_policy, models.critic, qr, am, mask, P, 2, 0.7)
     assert (values[mask == 0] == 0).all()
 
 

@@ -1,0 +1,129 @@
+"""On-policy distillation (issue 63), its first form: --teacher in the reference's place, each sampled token's reverse
+KL to it (k1) as phase 4's per-token reward (Agarwal et al. 2024; Thinking Machines 2025). Checked against its
+definition, recomputed here by plain forwards of the student and the teacher; the refusals in one line."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import ppo
+from fp32 import EPS, logprob_tolerance
+from test_in_process import run_main
+
+
+def perturbed_teacher(world, path, scale=0.05):
+    """The toy policy with every weight moved by scale x N(0, 1) noise (seeded): another model, the same tokenizer."""
+    model = AutoModelForCausalLM.from_pretrained(world[0])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(world[0]).save_pretrained(path)
+    return str(path)
+
+
+def sampled_logprobs(model_path, rollout, temperature=0.7):
+    """log p of each response token at tau by a plain HF forward of the whole rows (left padding: positions from the
+    attention mask): (B, T), 0 off the mask."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    qr, am, T = rollout.query_responses, rollout.attention_mask, rollout.mask.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=qr, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits[:, -T - 1:-1].float() / temperature, -1)  # (B, T, V): each predicts the next
+    return logp.gather(-1, qr[:, -T:, None]).squeeze(-1) * rollout.mask  # (B, T)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_the_reward_form_is_each_sampled_tokens_reverse_kl_to_the_teacher(world, tmp_path, monkeypatch, lora_rank):
+    """At beta 0 and --distill-coef 0.5: the non-score reward is -0.5 (log p_student - log p_teacher) on every
+    response token, the score is where it was, objective/distill_kl is the k1 sum a response; no reference is run
+    (the passes: the student's, the teacher's, the training forward). With LoRA the teacher is a model of its own,
+    not the adapters-off base (which is the student at update 1: its term would be 0)."""
+    teacher = perturbed_teacher(world, tmp_path / "teacher")
+    seen, real_row = [], ppo.metrics_row
+    monkeypatch.setattr(ppo, "metrics_row", lambda u, a, r, *x, **k: seen.append(r) or real_row(u, a, r, *x, **k))
+    passes, real_pass = [], ppo.policy_logprobs
+    monkeypatch.setattr(ppo, "policy_logprobs", lambda m, *a, **k: passes.append(m) or real_pass(m, *a, **k))
+    monkeypatch.setattr(ppo, "chunked_head_works", lambda model, device: True)  # (its own 8-token probes)
+    row = run_main("test_distill_reward", teacher=teacher, kl_coef=0.0, distill_coef=0.5, num_ppo_epochs=1,
+                   lora_rank=lora_rank)[0]
+    r = seen[0]
+    assert len({id(m) for m in passes}) == 2 and len(passes) == 3  # student, teacher, the student trained
+    student, theirs = sampled_logprobs(world[0], r), sampled_logprobs(teacher, r)  # update 1: the initial student
+    k1 = (student - theirs) * r.mask  # (B, T)
+    tol = 2 * max(logprob_tolerance(world[0]), logprob_tolerance(teacher))  # two log-probs, each its fp32 rounding
+    assert k1.abs().max() > 100 * tol  # (the teacher is another model: the term is not rounding)
+    torch.testing.assert_close(r.non_score_reward, -0.5 * k1, rtol=0, atol=0.5 * tol)
+    last = (torch.arange(len(r.lengths)), r.lengths - 1)
+    torch.testing.assert_close((r.rewards - r.non_score_reward)[last], r.scores, rtol=0,
+                               atol=2 * EPS * r.rewards.abs().max().item())  # the score on the last token (r + s - r)
+    n = int(r.mask.sum(1).max())
+    assert row["objective/distill_kl"] == pytest.approx(k1.sum(1).mean().item(), abs=n * tol)
+    assert "objective/kl" not in row  # beta 0: no reference loaded or run
+
+
+def test_an_agents_observations_take_no_teacher_term(tmp_path, monkeypatch):
+    """The guess world's episodes: the teacher scores the agent's tokens only; an observation's tokens (off the
+    mask) take no term, as they take no KL."""
+    import guess
+    teacher = perturbed_teacher((guess.build_world()[0],), tmp_path / "teacher")
+    seen, real_row = [], ppo.metrics_row
+    monkeypatch.setattr(ppo, "metrics_row", lambda u, a, r, *x, **k: seen.append(r) or real_row(u, a, r, *x, **k))
+    rows = run_main("test_distill_guess", model="guess", teacher=teacher, kl_coef=0.0, total_episodes=32,
+                    batch_size=32)
+    r = seen[0]
+    observations = (1 - r.mask) * r.attention_mask[:, -r.mask.shape[1]:]  # (B, T): the env's tokens
+    assert rows[0]["env/turns"] > 1 and observations.sum() > 0
+    assert (r.non_score_reward[observations.bool()] == 0).all() and (r.non_score_reward[r.mask.bool()] != 0).any()
+
+
+@pytest.mark.fast
+def test_a_teacher_changes_the_old_log_probs_path_and_bad_input_is_one_line(world, tmp_path):
+    """Phase 4 reads the old log-probs with a teacher, so auto recomputes them even where one step would be
+    on-policy, and on-policy is refused; a negative coefficient, a teacher that will not load, and one whose tokenizer
+    is not the student's are refused in one line."""
+    args = ppo.Args(teacher="x", num_ppo_epochs=1, kl_coef=0.0)
+    ppo.check_args(args, 1)
+    assert args.old_logprobs == "recompute"
+    with pytest.raises(ppo.UsageError, match="no --teacher"):
+        ppo.check_args(ppo.Args(teacher="x", num_ppo_epochs=1, kl_coef=0.0, old_logprobs="on-policy"), 1)
+    with pytest.raises(ppo.UsageError, match="--distill-coef must be >= 0"):
+        ppo.check_args(ppo.Args(teacher="x", distill_coef=-1.0), 1)
+    with pytest.raises(ppo.UsageError, match="add --teacher PATH"):
+        ppo.check_args(ppo.Args(distill_coef=0.5), 1)
+    with pytest.raises(ppo.UsageError, match=r"--teacher '.*nowhere' cannot be loaded") as e:
+        run_main("test_distill_bad", teacher=str(tmp_path / "nowhere"))
+    assert "\n" not in str(e.value)
+    import real_models
+    other = real_models.build("qwen2")  # a chat model on Qwen2's real tokenizer, not the toy's
+    with pytest.raises(ppo.UsageError, match="--teacher .*'s tokenizer .* is not --model toy's") as e:
+        run_main("test_distill_bad", teacher=other)
+    assert "\n" not in str(e.value)
+
+
+def test_a_student_distilled_with_no_task_score_learns_the_teachers_world(world):
+    """A teacher trained by RL on the toy world (40 updates), then the untrained student distilled from it with the
+    reward model's weight 0: the student's gold rises beyond sampling noise, and its reverse KL to the teacher
+    falls to under a tenth."""
+    from test_data_rewards import gold_gain_beyond_noise
+    run_main("test_distill_teacher", total_episodes=64 * 40, batch_size=64)
+    rows = run_main("test_distill_student", total_episodes=64 * 30, batch_size=64, kl_coef=0.0,
+                    teacher="runs/test_distill_teacher/policy", reward_model_weight=0.0)
+    gold, kl = [r["objective/gold"] for r in rows], [r["objective/distill_kl"] for r in rows]
+    assert all(r["objective/scores"] <= 0 for r in rows)  # no task score (0, or a cut response's penalty)
+    assert gold_gain_beyond_noise(gold), gold
+    assert sum(kl[-5:]) / 5 < kl[0] / 10, kl
+
+
+@pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
+def test_a_teacher_sharded_on_two_ranks_gives_the_run_of_one(world):
+    """FSDP2 under torchrun: the teacher sharded as the reference is (--shard-frozen), the run within fp32's
+    rounding of the one-rank run, its distill_kl included."""
+    from test_sharded import assert_same_run, run
+    teacher = perturbed_teacher(world, "runs/test_distill_teacher_perturbed")
+    flags = ["--teacher", teacher, "--kl-coef", "0"]
+    two, one = run(2, "test_distill_two", *flags), run(1, "test_distill_one", *flags)
+    assert all(r["objective/distill_kl"] > 0 for r in one)
+    assert_same_run(two, one)
