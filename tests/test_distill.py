@@ -2,6 +2,10 @@
 KL to it (k1) as phase 4's per-token reward (Agarwal et al. 2024; Thinking Machines 2025). Checked against its
 definition, recomputed here by plain forwards of the student and the teacher; the refusals in one line."""
 
+import json
+import math
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,3 +131,51 @@ def test_a_teacher_sharded_on_two_ranks_gives_the_run_of_one(world):
     two, one = run(2, "test_distill_two", *flags), run(1, "test_distill_one", *flags)
     assert all(r["objective/distill_kl"] > 0 for r in one)
     assert_same_run(two, one)
+
+
+def generalized_jsd(student_hidden, student_head, teacher_hidden, teacher_head, mask, beta, temperature, items=None):
+    """The generalized Jensen-Shannon divergence of Agarwal et al. 2024 as TRL 1.12 defines it, written out here
+    whole-vocabulary in float64: for each position in the mask, with p_s, p_t the student's and the teacher's
+    softmax(head(h) / tau) and m = beta p_t + (1 - beta) p_s, beta KL(p_t || m) + (1 - beta) KL(p_s || m)
+    (beta 0: KL(p_t || p_s), the forward KL; 1: KL(p_s || p_t), the reverse); summed, over the valid positions' count
+    or over `items`."""
+    log_s = torch.log_softmax(student_hidden @ student_head.T / temperature, -1)  # (B, K, V)
+    log_t = torch.log_softmax(teacher_hidden @ teacher_head.T / temperature, -1)  # (B, K, V)
+    kl = lambda log_p, log_q: (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, K)
+    if beta == 0.0:
+        div = kl(log_t, log_s)
+    elif beta == 1.0:
+        div = kl(log_s, log_t)
+    else:
+        log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta))  # (B, K, V)
+        div = beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)  # (B, K)
+    return (div * mask).sum() / (mask.sum() if items is None else items)
+
+
+@pytest.mark.fast
+def test_trls_distillation_loss_is_the_generalized_jsd_written_out():
+    """tests/trl_distill.json (TRL 1.12's _chunked_divergence_loss, recorded by tests/trl_distill.py): the divergence
+    written out above, in float64, gives TRL's loss and its gradient in the student's hidden states and head on every
+    case (beta 0, 0.3, 0.5, 1; tau 1, 0.7; a mean or a sum over a given count; padding and a multi-turn hole). TRL
+    computes in float32: each logit is a sum of H products (H <= 12), off by at most d = H eps times the sum of their
+    sizes; a log-softmax then by 2d, and a KL of two (or of one and the mixture) by 4d (1 + its largest |log ratio|),
+    as is a softmax's gradient: the bound below is twice that."""
+    fixture = json.load(open(os.path.join(os.path.dirname(__file__), "trl_distill.json")))
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)
+    hs, ht, ws, wt = (f64(fixture["inputs"][k]) for k in ("student_hidden", "teacher_hidden", "student_head",
+                                                        "teacher_head"))
+    mask = f64(fixture["inputs"]["mask"])
+    size = lambda h, w: (h.abs() @ w.abs().T).max().item()  # the largest sum of |products| in a logit
+    for case in fixture["cases"]:
+        h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss = generalized_jsd(h, w, ht, wt, mask, case["beta"], case["temperature"], case["num_items_in_batch"])
+        loss.backward()
+        d = 12 * EPS * max(size(hs[mask.bool()], ws), size(ht[mask.bool()], wt)) / case["temperature"]
+        log_s, log_t = (torch.log_softmax(x @ y.T / case["temperature"], -1)[mask.bool()]
+                        for x, y in ((hs, ws), (ht, wt)))  # (n, V) each: the valid positions'
+        tol = 2 * 4 * d * (1 + (log_s - log_t).abs().max().item())
+        assert loss.item() == pytest.approx(case["loss"], abs=tol * max(1.0, abs(case["loss"]))), case["beta"]
+        assert case["n_valid"] == int(mask.sum())
+        torch.testing.assert_close(h.grad, f64(case["grad_hidden"]), rtol=0, atol=tol)
+        torch.testing.assert_close(w.grad, f64(case["grad_head"]), rtol=0, atol=tol)
+        assert (h.grad[~mask.bool()] == 0).all()  # padding and the hole take no gradient
