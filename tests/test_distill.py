@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import ppo
 from fp32 import EPS, logprob_tolerance
 from test_in_process import run_main
+from test_less_work import rollouts_logged
 
 
 def perturbed_teacher(world, path, scale=0.05):
@@ -46,8 +47,7 @@ def test_the_reward_form_is_each_sampled_tokens_reverse_kl_to_the_teacher(world,
     (the passes: the student's, the teacher's, the training forward). With LoRA the teacher is a model of its own,
     not the adapters-off base (which is the student at update 1: its term would be 0)."""
     teacher = perturbed_teacher(world, tmp_path / "teacher")
-    seen, real_row = [], ppo.metrics_row
-    monkeypatch.setattr(ppo, "metrics_row", lambda u, a, r, *x, **k: seen.append(r) or real_row(u, a, r, *x, **k))
+    seen = rollouts_logged(monkeypatch)
     passes, real_pass = [], ppo.policy_logprobs
     monkeypatch.setattr(ppo, "policy_logprobs", lambda m, *a, **k: passes.append(m) or real_pass(m, *a, **k))
     monkeypatch.setattr(ppo, "chunked_head_works", lambda model, device: True)  # (its own 8-token probes)
@@ -73,8 +73,7 @@ def test_an_agents_observations_take_no_teacher_term(tmp_path, monkeypatch):
     mask) take no term, as they take no KL."""
     import guess
     teacher = perturbed_teacher((guess.build_world()[0],), tmp_path / "teacher")
-    seen, real_row = [], ppo.metrics_row
-    monkeypatch.setattr(ppo, "metrics_row", lambda u, a, r, *x, **k: seen.append(r) or real_row(u, a, r, *x, **k))
+    seen = rollouts_logged(monkeypatch)
     rows = run_main("test_distill_guess", model="guess", teacher=teacher, kl_coef=0.0, total_episodes=32,
                     batch_size=32)
     r = seen[0]
