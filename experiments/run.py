@@ -9,6 +9,7 @@
     python experiments/run.py rgymagain  # issue 38: the SmolLM2 runs again, on evaluation questions held out
     python experiments/run.py trl trlspeed   # issue 42: beside TRL's GRPOTrainer (.venv-trl, docs/trl.md); trlquick
     python experiments/run.py critic      # issue 53: the critic against GRPO and RLOO on equal terms; criticquick
+    python experiments/run.py distill     # issue 63: on-policy distillation against RL on SmolLM2 gcd
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -58,11 +59,16 @@
 29-30. issue 54, --async-steps: asyncspeed (seconds per update, K = 1 against 0) and asynclearn (toy and chain).
 31. issue 55, ckpt: rank 0's peak RSS and the seconds while saving SmolLM2's policy and critic with their AdamW
    states sharded against gathered (the save before it), and to load, on 1, 2 and 4 ranks (experiments/ckpt_memory.py).
+32. issue 63, on-policy distillation (docs/distill.md): distill: SmolLM2 on gcd, the untrained model's evaluation,
+   RL (rgym's recipe, evaluated every 3 updates) for 3 seeds, seed 1's final policy the teacher, then the untrained
+   student distilled from it by the reward form and by the loss form, 3 seeds each, at RL's batch, learning rate and
+   updates, with no task score in training (`held_out_score`): held-out pass@1 and pass@4 against updates.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
 import copy
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -1491,6 +1497,68 @@ def checkpoint_memory(ranks=(1, 2, 4)):
     return out
 
 
+def held_out_score(prompts, responses, task, entry, answer_format, **columns):
+    """The task's score (adapters.reasoning_gym_reward) on evaluation questions, 0 on training ones: a student
+    trained with it learns from its teacher alone while its evaluation reads the task (evaluation questions are
+    never training questions, issue 38)."""
+    sys.path.insert(0, ROOT)
+    import adapters
+    scores = adapters.reasoning_gym_reward(prompts, responses, task, entry, answer_format)
+    return [s if e["question"] not in training_questions(t) else 0.0 for s, e, t in zip(scores, entry, task)]
+
+
+_QUESTIONS = {}
+
+
+def training_questions(task):
+    """The questions of --dataset reasoning-gym:TASK's training rows at RGYM_SCREEN's options (adapters.py's)."""
+    if task not in _QUESTIONS:
+        import reasoning_gym
+        _QUESTIONS[task] = {e["question"] for e in reasoning_gym.create_dataset(task, size=2048, seed=1234,
+                                                                                **RGYM_SCREEN[task])}
+    return _QUESTIONS[task]
+
+
+DISTILL_ARMS = ("rl", "reward", "loss")
+
+
+def distill_runs(seeds=(1, 2, 3), updates=25, arms=DISTILL_ARMS):
+    """Issue 63: RL, then distillation from RL's seed-1 policy by the reward and the loss form, on rgym's recipe
+    (evaluated every 3 updates); two runs at a time, each recorded in results.json's "distill" as it ends."""
+    flags, base = rgym_flags()
+    flags = override(flags, eval_every="3", total_episodes=str(16 * updates))
+    teacher = os.path.join(ROOT, "runs", "exp_distill_rl_s1", "policy")
+    student = [*flags, "--reward-fn", "experiments/run.py:held_out_score", "--teacher", teacher]
+    arm_flags = {"rl": flags, "reward": student, "loss": [*student, "--distill", "loss"]}
+    path = os.path.join(HERE, "results.json")
+    done = json.load(open(path)).get("distill", {})
+    for group in (["base", "rl"], ["reward", "loss"]):  # the teacher before its students
+        jobs = [base] if "base" in group and "base" not in done else []
+        jobs += [(f"exp_distill_{arm}_s{seed}", [*arm_flags[arm], "--seed", str(seed)], {}) for arm in group
+                 if arm in arms for seed in seeds if f"{arm}_s{seed}" not in done]
+        for name, (rows, seconds) in parallel_runs(jobs).items():
+            results = json.load(open(path))
+            results.setdefault("distill", {})[name[len("exp_distill_"):] if name != base[0] else "base"] = (
+                rgym_base() if name == base[0] else distill_record(rows, seconds))
+            json.dump(results, open(path, "w"), indent=1)
+            done = results["distill"]
+    return done
+
+
+def distill_record(rows, seconds):
+    """One run's evaluations (update, pass@1, pass@4), its sampled tokens and CPU seconds to each, and its cost."""
+    evals, tokens, cpu = [], 0, 0.0
+    for r in rows:
+        tokens += r["time/generated_tokens"]
+        cpu += r["time/rollout_s"] + r["time/update_s"]
+        if "eval/pass@1" in r:
+            evals.append({"update": r["step"], "pass@1": round(r["eval/pass@1"], 4), "pass@4": round(r["eval/pass@4"], 4),
+                          "tokens": tokens, "seconds": round(cpu, 1)})
+    return {"evals": evals, "wall_s": round(seconds), "peak_gb": round(max(r["mem/peak_mb"] for r in rows) / 1000, 2),
+            "median_s": round(float(np.median([r["time/rollout_s"] + r["time/update_s"] for r in rows])), 1),
+            "distill_kl": [round(r.get("objective/distill_kl", math.nan), 2) for r in rows]}
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "toycritic"]
     path = os.path.join(HERE, "results.json")
@@ -1504,13 +1572,15 @@ if __name__ == "__main__":
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
-                     ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory)):
+                     ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory), ("distill", distill_runs)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
             keys = {"trlspeed": "trlspeed52", "asyncspeed": "async54", "asynclearn": "async54_learning",
                     "ckpt": "ckpt55"}
             results[keys.get(name, name)] = result  # (issue 42's trlspeed kept beside it)
+            if name == "distill":  # (recorded run by run as they end)
+                continue
             if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
                 results["rgym_heldout"] = results.pop(name)
             json.dump(results, open(path, "w"), indent=1)
