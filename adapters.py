@@ -8,7 +8,8 @@ ppo.py prints in one line.
 - `--env textarena/GAME`: a single-player TextArena game (MIT; github.com/LeonGuertler/TextArena) as an env class of
   ppo.py's interface (docs/agents.md): rows(n, seed), reset(row, seed) -> the first observation, and
   step(action_text) -> (observation, reward, done).
-- `--vllm`: the check that vLLM runs the policy's architecture natively, and the engine in ppo.py's process.
+- `--vllm`: the check that vLLM runs the policy's architecture natively, the engine in ppo.py's process, phase 1
+  through it (`vllm_generate`), and the CPU build's repacking of the weights it is fed.
 """
 import copy
 import json
@@ -147,6 +148,35 @@ def vllm_engine(path, config, args, device):
                                      config.max_position_embeddings), enforce_eager=device.type != "cuda",
                    gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
                    trust_remote_code=args.trust_remote_code)
+
+
+def vllm_generate(llm, config, prompt_ids, keys, greedy, pad_token_id, device):
+    """Phase 1 through the engine, sampled as HF's `config`, each row seeded by its key: the responses and their
+    log-probs (B, T) each."""
+    import torch
+    from vllm import SamplingParams
+    stop_ids = [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(config.eos_token_id)
+    # ignore_eos: the engine stops at exactly the run's stop ids (the mask must end where the engine did)
+    params = [SamplingParams(temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0,
+                             max_tokens=config.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
+                             seed=key, logprobs=0) for key in keys]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    samples = [o.outputs[0] for o in outs]
+    T = max(len(c.token_ids) for c in samples)
+    responses = torch.full((len(samples), T), pad_token_id, device=device)  # (B, T)
+    engine_logprobs = torch.zeros(len(samples), T, device=device)  # (B, T)
+    for i, c in enumerate(samples):  # vLLM keeps the stop token (the EOS) and its log-prob
+        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+        engine_logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+    return responses, engine_logprobs
+
+
+def repack_cpu_kernels(model):
+    """vLLM's CPU build computes linear layers from packed copies of their weights: packed anew (docs/vllm.md)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    for m in model.modules():
+        if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.numel() > 0:
+            dispatch_cpu_unquantized_gemm(m, remove_weight=False)
 
 
 def first_line(e):

@@ -49,6 +49,7 @@ from typing import Annotated, Literal, NamedTuple, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.nn as nn
 import tyro
 from tqdm import tqdm
@@ -178,8 +179,12 @@ class Args:
     """at --kl-coef 0 load the reference and run its pass anyway (the textbook's; False: neither, as TRL)"""
     teacher: OptStr = None
     """on-policy distillation's teacher: a causal LM with --model's tokenizer (None: none)"""
+    distill: Literal["reward", "loss"] = "reward"
+    """--teacher: a token's reward -coef (log p - log p_teacher), or a loss"""
     distill_coef: float = 1.0
-    """the teacher's term: each token's reward -coef (log p - log p_teacher), a k1"""
+    """the weight of --teacher's term (--distill)"""
+    distill_beta: float = 1.0
+    """--distill loss's divergence: 0 KL(teacher||policy), 1 KL(policy||teacher)"""
 
     # 5-6. advantages
     adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
@@ -299,11 +304,11 @@ class Args:
     logprob_chunk: int = 256
     """the head on this many tokens at once: no (b, T, V) logits (0 = all at once)"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward of policy and critic (less memory, about 30% slower)"""
+    """recompute activations in the backward (less memory, about 30% slower)"""
     shard_frozen: bool = True
     """under torchrun, shard the reference, teacher and reward model too (False: a whole copy on each rank)"""
     offload_frozen: bool = False
-    """keep the reference, teacher and reward model on the CPU but for the no-grad passes"""
+    """keep the reference, teacher and reward model on the CPU but in their passes"""
     trust_remote_code: bool = False
     """let checkpoints run their own code (only for checkpoints you trust)"""
 
@@ -365,7 +370,7 @@ class Args:
         if self.old_logprobs == "auto":  # the ratio is 1 by construction: nothing moves the policy before the
             on_policy = (self.num_ppo_epochs, self.num_minibatches, self.kl_coef) == (1, 1, 0)  # one step, and nothing
             on_policy &= not (self.unread_reference or self.rollout_correction or self.keep_sampling_mask  # read them
-                              or self.teacher)
+                              or self.teacher and self.distill == "reward")
             self.old_logprobs = "on-policy" if on_policy else "recompute"
         if self.ratio_check_tol is None:  # against the sampler its gap counts too; off where it is stale (async)
             self.ratio_check_tol = 1e-2 if self.old_logprobs == "recompute" else math.inf if self.async_steps else 5e-2
@@ -430,8 +435,8 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
     P = queries.shape[1]
     keys = keys or torch.randint(2**31, (len(prompt_ids),)).tolist()
     if llm is not None:
-        responses, engine_logprobs = vllm_generate(llm, sampling, prompt_ids, keys, greedy, tokenizer.pad_token_id,
-                                                   device)  # (B, T) each
+        responses, engine_logprobs = adapters.vllm_generate(llm, sampling, prompt_ids, keys, greedy,
+                                                            tokenizer.pad_token_id, device)  # (B, T) each
     else:
         draw = None if greedy else KeyedSampler(keys, sampling, device)
         with torch.no_grad(), sampler or contextlib.nullcontext():  # (--sampler-precision)
@@ -452,40 +457,6 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
     if engine_logprobs is not None:
         engine_logprobs = engine_logprobs[:, :T] * mask  # (B, T)
     return query_responses, attention_mask, lengths, has_eos, mask, P, engine_logprobs
-
-
-class KeyedSampler(transformers.LogitsProcessor):
-    """HF's sampling (temperature, top-k, top-p), each row on its own random stream: a generator seeded by the row's
-    key draws its uniforms, and each step takes the token at which the cumulative sum of the filtered distribution
-    passes the step's uniform (inverse-CDF sampling); the scores become that token's one-hot, for greedy decoding to
-    take. A row's tokens thus depend on its key and the weights alone, not on its rank or its batch. Keeps log p of
-    each drawn token on the support it was drawn from (what --keep-sampling-mask scores), the sampler's log-probs."""
-    def __init__(self, keys, sampling, device):
-        steps = sampling.max_new_tokens or sampling.max_length
-        self.uniform = torch.stack([torch.rand(steps, generator=torch.Generator(device).manual_seed(k), device=device,
-                                               dtype=torch.float64) for k in keys])  # (B, steps)
-        self.sampling, self.taken = sampling, []
-
-    def __call__(self, input_ids, scores):
-        tau, top_k, top_p = self.sampling.temperature, self.sampling.top_k or 0, self.sampling.top_p or 1.0
-        logits = scores.float() / tau  # (B, V)
-        logits = logits.masked_fill(~sampling_support(logits, top_k, top_p), -math.inf)  # (B, V): the kept support
-        cdf = torch.softmax(logits.double(), -1).cumsum(1)  # (B, V): float32's would give a 152k tail no width
-        u = self.uniform[:, len(self.taken), None] * cdf[:, -1:]  # (B, 1): below the sum, however it rounded
-        token = torch.searchsorted(cdf, u, right=True).squeeze(1)  # (B,): the first token whose cdf passes u
-        self.taken.append(torch.log_softmax(logits, -1).gather(1, token[:, None]))  # (B, 1)
-        return torch.full_like(scores, -math.inf).scatter_(1, token[:, None], 0.0)  # (B, V)
-
-    def logprobs(self):
-        return torch.cat(self.taken, 1)  # (B, T)
-
-
-def response_lengths(responses, stop_ids):
-    """Valid tokens per row: up to and including the first stop token (an EOS), or all T when there is none."""
-    T = responses.shape[1]
-    is_eos = torch.isin(responses, torch.as_tensor(stop_ids, device=responses.device))  # (B, T)
-    first_eos = is_eos.int().argmax(1)  # (B,): 0 when there is no EOS, hence the where below
-    return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
 
 
 class Sampled(NamedTuple):
@@ -594,12 +565,13 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, suppor
     return logprobs, lse - expected  # (b, T) each
 
 
-def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None,
-                    sampler_filter=None, chunk=0):
-    """Log-probs and entropies (b, T) of the response tokens, and their support as (position, token) pairs, or None."""
+def policy_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy=False, keep=None, chunk=0,
+                    states=None, sampler_filter=None):
+    """Log-probs and entropies (b, T) of the response tokens, and their support as (position, token) pairs, or None;
+    `states` (a list, with chunk > 0) receives the head's input states and the head."""
     if chunk > 0:  # the default (--logprob-chunk 256): the head on `chunk` tokens at a time, the same numbers as below
         return chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep,
-                                sampler_filter)
+                                sampler_filter, states)
     b, T = query_responses.shape[0], query_responses.shape[1] - P
     logits = forward(model, query_responses, attention_mask, logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V)
     if sampler_filter is not None:  # what the sampler kept (DeepSeek-V3.2), at the real positions only
@@ -614,19 +586,6 @@ def state_values(value_model, query_responses, attention_mask, P):
     return forward(value_model, query_responses, attention_mask)[:, P - 1:]  # (b, T+1)
 
 
-class ValueModel(nn.Module):
-    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at one position)."""
-    def __init__(self, seq_cls):
-        super().__init__()
-        self.seq_cls = seq_cls
-
-    def forward(self, input_ids, attention_mask, position_ids, **kw):
-        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # (b, P+T, H)
-        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
-
-
 @torch.no_grad()
 def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, mask, P, micro, temperature,
                    sampler_filter=None, chunk=0, budget=None, teacher=None):
@@ -635,7 +594,8 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     B, T = mask.shape
     lengths = attention_mask[:, P:].sum(1)  # (B,): the response's tokens (the episode's, observations included)
     logprobs = torch.zeros(B, T, device=mask.device)  # (B, T)
-    ref_logprobs, teacher_logprobs = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, T) each
+    ref_logprobs = torch.zeros_like(logprobs)  # (B, T)
+    teacher_logprobs = None if teacher is None else torch.zeros_like(logprobs)  # (B, T)
     entropy = torch.full_like(logprobs, 0.0 if policy is not None else math.nan)  # (B, T): NaN until a pass fills it
     values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
     kept_pos, kept_tok, keep = [], [], None  # the sampler's support: (position in B*T, token id) pairs, not B x T x V
@@ -868,7 +828,8 @@ def rollout_correction(logprobs, sampler_logprobs, mask, mode, low, high):
     return torch.ones_like(mask), mask - out, out
 
 
-def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext(), scaler=None, first=True):
+def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.nullcontext(), scaler=None, first=True,
+                       teacher=None):
     """Accumulate one minibatch's gradient over micro-batches, weights normalised over the minibatch (all ranks)."""
     fill = first and args.old_logprobs != "recompute"
     mask, lengths = rollout.kept if args.rollout_correction else rollout.mask, rollout.lengths  # (B, T), (B,)
@@ -878,16 +839,17 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
     mb_seqs = global_sum((mask[mb_idx].amax(1) > 0).sum().float()).clamp(min=1)  # responses in the loss, likewise
     world = dist.get_world_size() if dist.is_initialized() else 1  # FSDP averages gradients over ranks
     stats = dict(pg_loss=0.0, vf_loss=0.0, approxkl=0.0, pg_clip=0.0, vf_clip=0.0, ratio=0.0, ratio_dev=0.0,
-                 tokens=0.0, ratio_dev_max=0.0)
+                 tokens=0.0, ratio_dev_max=0.0, distill=0.0)
     for part in micro_batches(lengths[mb_idx], P, args.micro_batch_size or len(mb_idx), args.micro_batch_tokens):
         idx = mb_idx[part]  # (b,)
         t = int(lengths[idx].max())  # trim to the longest response of this micro-batch
         qr, am = rollout.query_responses[idx, :P + t], rollout.attention_mask[idx, :P + t]  # (b, P+t)
         mc_mask = mask[idx, :t]  # (b, t)
         keep = kept_pairs(rollout.support, idx, t, mask.shape[1]) if args.keep_sampling_mask else None  # their support
+        states = None if teacher is None else []  # --distill loss: the head's input states, for its divergence
         with amp:  # --precision's autocast around the forwards only (log-probs, losses, backward: fp32)
             new_logprobs, new_entropy, _ = policy_logprobs(policy, qr, am, P, args.temperature,
-                                                           args.ent_coef > 0 or fill, keep, chunk=args.logprob_chunk)
+                                                           args.ent_coef > 0 or fill, keep, args.logprob_chunk, states)
         if fill:  # (b, t) each: detached, as phase 3's no-grad pass would have given them, on every response token
             rollout.entropy[idx, :t] = new_entropy.detach() * rollout.mask[idx, :t]
             if args.old_logprobs == "on-policy":  # one epoch, one minibatch: nothing stepped since the sampler drew
@@ -905,6 +867,14 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
         if args.kl_in_loss and not no_reference(args):  # GRPO style: the KL to the reference, a loss term
             kl = kl_penalty(new_logprobs, rollout.ref_logprobs[idx, :t], args.kl_estimator)  # (b, t)
             loss = loss + rollout.kl_coef * (kl * agg).sum()
+        divergence = torch.zeros_like(mc_mask)  # (b, t): --distill loss's, to the teacher, over the full vocabulary
+        if teacher is not None:  # the policy's head and the teacher's, a chunk of the tokens in the loss at a time
+            with amp:
+                with torch.no_grad():
+                    teacher_states = head_states(teacher, qr, am, P)  # (b*t, H_teacher), its head, its cap
+                divergence = distill_divergence(states, teacher_states, agg, args.temperature, args.distill_beta,
+                                                args.logprob_chunk)  # (b, t)
+            loss = loss + args.distill_coef * (divergence * agg).sum()
         vf_losses = vf_clipped = torch.zeros_like(mc_mask)  # (b, t): critic-free estimators have no critic
         if critic is not None:
             with amp:
@@ -920,7 +890,7 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
             stats["ratio_dev_max"] = max(stats["ratio_dev_max"], ratio_dev.max().item())
             for k, v in (("pg_loss", pg_losses), ("vf_loss", vf_losses), ("pg_clip", pg_clipped),
                          ("vf_clip", vf_clipped), ("approxkl", 0.5 * logratio ** 2), ("ratio", ratio),
-                         ("ratio_dev", ratio_dev), ("tokens", torch.ones_like(ratio))):
+                         ("ratio_dev", ratio_dev), ("tokens", torch.ones_like(ratio)), ("distill", divergence)):
                 stats[k] += (v * mc_mask).sum().item()
     return stats
 
@@ -988,6 +958,36 @@ def policy_objective(new_logprobs, old_logprobs, advantages, mask, args):
     fail(f"--policy-loss {args.policy_loss!r} has no branch in policy_objective (ppo, gspo, cispo)")
 
 
+def distill_divergence(states, teacher_states, weights, temperature, beta, chunk):
+    """--distill loss's generalized JSD per position (b, t), 0 where `weights` are: each model's head on `chunk`
+    positions at a time, and each chunk's (chunk, V) logits rebuilt in the backward rather than kept (memory flat in
+    the vocabulary, as `HeadLogprobs`; TRL 1.12's _chunked_divergence_loss checkpoints its chunks the same way)."""
+    (hidden, head, cap), (teacher_hidden, teacher_head, teacher_cap) = states, teacher_states  # (b*t, H) and its own
+    rows = weights.flatten().nonzero().squeeze(1)  # (n,): the positions in the loss
+    fp32 = getattr(head, "fp32", False)  # --fp32-head: the policy's head outside autocast, as in `chunked_logprobs`
+
+    def heads(h, th):  # (n, H), (n, H_teacher) -> (n,)
+        with torch.autocast(h.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+            s = head_logits(h, head.weight, head.bias, temperature, cap)  # (n, V)
+        return generalized_jsd(s, head_logits(th, teacher_head.weight, teacher_head.bias, temperature, teacher_cap),
+                               beta)
+    parts = [torch.utils.checkpoint.checkpoint(heads, hidden[r], teacher_hidden[r], use_reentrant=False)
+             for r in rows.split(chunk)]
+    return torch.zeros(weights.numel(), device=weights.device).index_put((rows,), torch.cat(parts)).view_as(weights)
+
+
+def generalized_jsd(s, t, beta):
+    """Agarwal et al. 2024's generalized JSD of the policy's and the teacher's logits (n, V) each, per row:
+    beta KL(p_t || m) + (1 - beta) KL(p_s || m), m = beta p_t + (1 - beta) p_s; beta 0 is the forward KL
+    KL(p_t || p_s), 1 the reverse KL(p_s || p_t), as TRL 1.12 defines them (its `beta`)."""
+    log_s, log_t = torch.log_softmax(s, -1), torch.log_softmax(t, -1)  # (n, V) each
+    kl = lambda log_p, log_q: (log_p.exp() * (log_p - log_q)).sum(-1)  # (n,): KL(p || q)
+    if beta in (0.0, 1.0):  # (m is one of the two: no log 0)
+        return kl(log_t, log_s) if beta == 0.0 else kl(log_s, log_t)
+    log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log1p(-beta))  # (n, V)
+    return beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)  # (n,)
+
+
 def ptx_loss(policy, tokenizer, ptx_ids, rows, device, amp, key):
     """PPO-ptx (InstructGPT): the language-modelling loss of `rows` texts drawn from the supervised set (this rank's
     share of the rows drawn by `key`), a mean over every rank's tokens: the same loss on any number of ranks."""
@@ -1014,6 +1014,7 @@ def main(args: Args):
     models = load_models(args, device, log)
     shard_models(models, args, device, world)  # FSDP2 under torchrun, frozen models frozen (and offloaded)
     tokenizer, policy, ref_policy, critic = models.tokenizer, models.policy, models.ref_policy, models.critic
+    teacher, distiller = (models.teacher, None) if args.distill == "reward" else (None, models.teacher)  # phase 3 or 7
     trained = [m for m in (policy, critic) if m is not None]  # the models with optimizers
     policy.generation_config = GenerationConfig(  # a clean sampler: a checkpoint's may carry top-k 20, penalties...
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -1064,15 +1065,15 @@ def main(args: Args):
             logprobs, ref_logprobs, entropy, values, next_values, support, teacher_logprobs = rollout_passes(
                 policy if args.old_logprobs == "recompute" else None, ref_policy, critic, query_responses,
                 attention_mask, mask, P, micro, args.temperature, sampler_filter, args.logprob_chunk,
-                args.micro_batch_tokens, models.teacher)  # (B, T) each; next_values (B,)
-        move(models.swapped, "cpu")  # free the accelerator for phase 7
+                args.micro_batch_tokens, teacher)  # (B, T) each; next_values (B,); teacher_logprobs None or (B, T)
+        move([m for m in models.swapped if m is not distiller], "cpu")  # free the accelerator for phase 7
         if args.old_logprobs == "sampler":  # veRL's bypass mode: the ratio is then against the sampler itself
             logprobs = engine_logprobs * mask  # (B, T): 0 on observations (never a sampler's value there)
 
         # 4. per-token rewards: KL penalty everywhere, the score on the last real token (long responses: see inside)
         scores, bootstrap_value = long_responses(scores, has_eos, lengths, next_values, args)  # (B,), (B,) or None
         kl = 0 * mask if ref_policy is None else kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
-        distill = args.distill_coef * (logprobs - teacher_logprobs) * mask if args.teacher else 0.0  # (B, T): k1
+        distill = 0.0 if teacher_logprobs is None else args.distill_coef * (logprobs - teacher_logprobs) * mask  # k1
         rewards, non_score_reward = per_token_rewards(kl, scores, lengths, 0.0 if args.kl_in_loss else kl_coef,
                                                       turn_rewards, distill)  # (B, T) each
         if args.whiten_rewards:
@@ -1096,8 +1097,7 @@ def main(args: Args):
         t1 = time.perf_counter()
         rollout = Rollout(query_responses, attention_mask, lengths, mask, has_eos, logprobs, ref_logprobs, entropy,
                           support, values, scores, kl, non_score_reward, rewards, advantages, returns, kl_coef,
-                          turn_ends=turn_ends, engine_logprobs=engine_logprobs,
-                          teacher_logprobs=teacher_logprobs if args.teacher else None)  # old log-probs: the trainer's
+                          turn_ends=turn_ends, engine_logprobs=engine_logprobs, teacher_logprobs=teacher_logprobs)
         if args.rollout_correction:  # the sampler's gap, weighted or masked in the losses (see inside)
             rollout.is_weights, rollout.kept, rollout.corrected = rollout_correction(
                 logprobs, engine_logprobs, mask, args.rollout_correction, args.rollout_correction_low,
@@ -1113,7 +1113,7 @@ def main(args: Args):
             epoch_stats = {}
             for mb_start in range(0, len(lengths), mb_rows):
                 mb_stats = minibatch_backward(policy, critic, rollout, perm[mb_start: mb_start + mb_rows], P, args, amp,
-                                              scaler, first=epoch == 0)
+                                              scaler, first=epoch == 0, teacher=distiller)
                 ratio_dev_max = mb_stats.pop("ratio_dev_max")
                 if health is None:  # 8. health check: the first minibatch, before the first step (see inside)
                     health = ratio_health(update, mb_stats, ratio_dev_max, args.ratio_check_tol, device)
@@ -1143,6 +1143,7 @@ def main(args: Args):
                 break
         for model in trained:
             model.eval()
+        move(models.swapped, "cpu")  # (--distill loss: the teacher, there for phase 7 too)
         for sched in schedulers:
             sched.step()
         kl_coef = adaptive_kl_coef(kl_coef, kl, args)  # with --kl-target (Ziegler et al. 2019), else unchanged
@@ -1293,8 +1294,10 @@ def check_args(args, world):
              f"--critic-warmup-updates need a critic: --adv-estimator {args.adv_estimator} has none (use gae)")
     if args.lora_rank and args.ref_model:
         fail("--ref-model with --lora-rank: the reference is the policy's base with its adapters off; drop one")
-    if args.distill_coef != 1.0 and not args.teacher:
-        fail("--distill-coef weighs the teacher's term: add --teacher PATH, or drop --distill-coef")
+    if (args.distill_coef != 1.0 or args.distill == "loss") and not args.teacher:
+        fail("--distill-coef and --distill loss are the teacher's term: add --teacher PATH, or drop them")
+    if args.distill_beta != 1.0 and args.distill != "loss" or not 0 <= args.distill_beta <= 1:
+        fail(f"--distill-beta {args.distill_beta}: the divergence of --distill loss, between 0 and 1")
     if args.ref_model and no_reference(args):
         fail("--ref-model at --kl-coef 0: no KL reads a reference, so none is loaded; add --unread-reference to load "
              "and run it anyway (its KL logged), or drop --ref-model")
@@ -1371,9 +1374,9 @@ def check_args(args, world):
     if args.resume == "auto" and args.run_name is None:
         fail("--resume auto needs the --run-name of the run to continue")
     if args.old_logprobs == "on-policy" and ((args.num_ppo_epochs, args.num_minibatches, args.kl_coef) != (1, 1, 0)
-                                             or args.unread_reference or args.teacher):
+                                             or args.unread_reference or args.teacher and args.distill == "reward"):
         fail("--old-logprobs on-policy needs 1 epoch, 1 minibatch, --kl-coef 0, no --unread-reference, no --teacher "
-             "(phase 4 reads the old log-probs): use recompute")
+             "but --distill loss (phase 4 reads the old log-probs): use recompute")
     if args.old_logprobs != "recompute" and (args.keep_sampling_mask or args.rollout_correction):
         fail(f"--old-logprobs {args.old_logprobs} with --keep-sampling-mask or --rollout-correction: not written yet")
     if args.async_steps and (world > 1 or env or args.vllm or args.dynamic_sampling or args.lora_rank
@@ -1616,6 +1619,9 @@ def load_models(args, device, log):
     if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy, teacher) if m):
         log(f"{type(policy).__name__} transforms its logits after the head: log-probs from all the logits at once")
         args.logprob_chunk = 0  # (so config.json says what runs)
+    if args.teacher and args.distill == "loss" and not args.logprob_chunk:  # (it reads the head's states)
+        fail("--distill loss takes each model's head a chunk at a time: set --logprob-chunk > 0, with models whose "
+             "logits are their head's")
     if args.lora_base_dtype == "bf16":  # (after the head check, whose forward runs without autocast)
         for model in [m for m in (policy, critic and critic.seq_cls) if m is not None]:
             bf16_bases(model)
@@ -1671,6 +1677,19 @@ def end_of_turn(tokenizer):
     after = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False).input_ids
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     return [i for i in after if i in special][:1]
+
+
+class ValueModel(nn.Module):
+    """Per-token scalar head on an HF sequence classifier's backbone (the critic, and the RM read at one position)."""
+    def __init__(self, seq_cls):
+        super().__init__()
+        self.seq_cls = seq_cls
+
+    def forward(self, input_ids, attention_mask, position_ids, **kw):
+        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state  # (b, P+T, H)
+        return self.seq_cls.score(hidden).squeeze(-1).float()  # (b, P+T)
 
 
 # --- LoRA (peft) ------------------------------------------------------------------------------
@@ -2203,9 +2222,9 @@ def micro_batches(lengths, P, rows, budget=None):
     return batches
 
 
-def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
-                     sampler_filter=None):
-    """`policy_logprobs` without the (b, T, V) logits: the head on `chunk` positions at a time (`HeadLogprobs`)."""
+def head_states(model, query_responses, attention_mask, P):
+    """The head's input before each response token (b*T, H), the head and its logits' cap: the model's own forward
+    (under FSDP2 too, which leaves the root's head weight gathered), its head run on nothing."""
     T = query_responses.shape[1] - P
     head, captured = model.get_output_embeddings(), []
 
@@ -2213,17 +2232,26 @@ def chunked_logprobs(model, query_responses, attention_mask, P, temperature, wit
         captured.append(inputs[0])
         return (inputs[0][:, :0],)
     hook = head.register_forward_pre_hook(take_hidden)
-    try:  # the model's own forward (under FSDP2 too), which leaves the root's head weight gathered
+    try:
         forward(model, query_responses, attention_mask, logits_to_keep=T + 1)
     finally:
         hook.remove()
-    hidden = captured[0][:, :-1].flatten(0, 1)  # (b*T, H): the state before each response token
+    fp32 = getattr(head, "fp32", False)  # --fp32-head: its states in fp32
+    softcap = getattr(model.config, "final_logit_softcapping", None)  # (Gemma 2 caps its logits)
+    return (captured[0].float() if fp32 else captured[0])[:, :-1].flatten(0, 1), head, softcap  # (b*T, H)
+
+
+def chunked_logprobs(model, query_responses, attention_mask, P, temperature, with_entropy, chunk, keep=None,
+                     sampler_filter=None, states=None):
+    """`policy_logprobs` without the (b, T, V) logits: the head on `chunk` positions at a time (`HeadLogprobs`)."""
+    T = query_responses.shape[1] - P
+    hidden, head, softcap = head_states(model, query_responses, attention_mask, P)  # (b*T, H)
+    if states is not None:
+        states += [hidden, head, softcap]
     fp32 = getattr(head, "fp32", False)  # --fp32-head: the chunks' matmuls in fp32 too, outside autocast
     amp = torch.autocast(hidden.device.type, enabled=False) if fp32 else contextlib.nullcontext()
-    hidden = hidden.float() if fp32 else hidden  # (b*T, H)
     tokens = query_responses[:, P:].flatten()  # (b*T,)
     valid = attention_mask[:, P:].flatten().bool()  # (b*T,): padding was not sampled
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     parts = []
     for i in range(0, len(tokens), chunk):
         j = min(i + chunk, len(tokens))
@@ -2350,6 +2378,41 @@ def chunked_head_works(model, device):
     return torch.allclose(plain, chunked, atol=1e-4)
 
 
+# --- sampling: each row from its own random stream; where a response stops --------------------
+class KeyedSampler(transformers.LogitsProcessor):
+    """HF's sampling (temperature, top-k, top-p), each row on its own random stream: a generator seeded by the row's
+    key draws its uniforms, and each step takes the token at which the cumulative sum of the filtered distribution
+    passes the step's uniform (inverse-CDF sampling); the scores become that token's one-hot, for greedy decoding to
+    take. A row's tokens thus depend on its key and the weights alone, not on its rank or its batch. Keeps log p of
+    each drawn token on the support it was drawn from (what --keep-sampling-mask scores), the sampler's log-probs."""
+    def __init__(self, keys, sampling, device):
+        steps = sampling.max_new_tokens or sampling.max_length
+        self.uniform = torch.stack([torch.rand(steps, generator=torch.Generator(device).manual_seed(k), device=device,
+                                               dtype=torch.float64) for k in keys])  # (B, steps)
+        self.sampling, self.taken = sampling, []
+
+    def __call__(self, input_ids, scores):
+        tau, top_k, top_p = self.sampling.temperature, self.sampling.top_k or 0, self.sampling.top_p or 1.0
+        logits = scores.float() / tau  # (B, V)
+        logits = logits.masked_fill(~sampling_support(logits, top_k, top_p), -math.inf)  # (B, V): the kept support
+        cdf = torch.softmax(logits.double(), -1).cumsum(1)  # (B, V): float32's would give a 152k tail no width
+        u = self.uniform[:, len(self.taken), None] * cdf[:, -1:]  # (B, 1): below the sum, however it rounded
+        token = torch.searchsorted(cdf, u, right=True).squeeze(1)  # (B,): the first token whose cdf passes u
+        self.taken.append(torch.log_softmax(logits, -1).gather(1, token[:, None]))  # (B, 1)
+        return torch.full_like(scores, -math.inf).scatter_(1, token[:, None], 0.0)  # (B, V)
+
+    def logprobs(self):
+        return torch.cat(self.taken, 1)  # (B, T)
+
+
+def response_lengths(responses, stop_ids):
+    """Valid tokens per row: up to and including the first stop token (an EOS), or all T when there is none."""
+    T = responses.shape[1]
+    is_eos = torch.isin(responses, torch.as_tensor(stop_ids, device=responses.device))  # (B, T)
+    first_eos = is_eos.int().argmax(1)  # (B,): 0 when there is no EOS, hence the where below
+    return torch.where(is_eos.any(1), first_eos + 1, T)  # (B,)
+
+
 # --- vLLM rollouts ----------------------------------------------------------------------------
 # An engine in this process samples; PPO's old log-probs stay the trainer's unless --old-logprobs (docs/vllm.md).
 def start_vllm(args, models, device):
@@ -2359,26 +2422,6 @@ def start_vllm(args, models, device):
     llm = adapters.vllm_engine(models.policy_path, models.policy.config, args, device)
     push_weights(llm, models.policy)
     return llm
-
-
-def vllm_generate(llm, config, prompt_ids, keys, greedy, pad_token_id, device):
-    """Phase 1 through the engine, sampled as HF's `config`, each row seeded by its key: the responses and their
-    log-probs (B, T) each."""
-    from vllm import SamplingParams
-    stop_ids = [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(config.eos_token_id)
-    # ignore_eos: the engine stops at exactly the run's stop ids (the mask must end where the engine did)
-    params = [SamplingParams(temperature=0.0 if greedy else config.temperature, top_p=1.0, top_k=0,
-                             max_tokens=config.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
-                             seed=key, logprobs=0) for key in keys]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
-    samples = [o.outputs[0] for o in outs]
-    T = max(len(c.token_ids) for c in samples)
-    responses = torch.full((len(samples), T), pad_token_id, device=device)  # (B, T)
-    engine_logprobs = torch.zeros(len(samples), T, device=device)  # (B, T)
-    for i, c in enumerate(samples):  # vLLM keeps the stop token (the EOS) and its log-prob
-        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
-        engine_logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-    return responses, engine_logprobs
 
 
 def push_weights(llm, model, wake=False):
@@ -2393,7 +2436,7 @@ def push_weights(llm, model, wake=False):
         weights = adapters.merged(weights, lora_layers(model))  # than serving adapters: TRL #7017, 1.33-1.39x a token)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # the one call into vLLM internals
     if not torch.cuda.is_available():
-        llm.apply_model(repack_cpu_kernels)
+        llm.apply_model(adapters.repack_cpu_kernels)
     if wake:
         llm.wake_up(tags=["kv_cache"])
 
@@ -2499,14 +2542,6 @@ def forward_autocast(args, device):
     return torch.autocast(device.type, dtype=HALF.get(half), enabled=half in HALF)
 
 
-def repack_cpu_kernels(model):
-    """vLLM's CPU build computes linear layers from packed copies of their weights: packed anew (docs/vllm.md)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    for m in model.modules():
-        if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.numel() > 0:
-            dispatch_cpu_unquantized_gemm(m, remove_weight=False)
-
-
 # --- evaluation and logging -------------------------------------------------------------------
 def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_steps, kl_coef, lr, times,
                 score_parts, gold, tokenizer):
@@ -2523,6 +2558,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
                "objective/kl_k1": ((rollout.logprobs - rollout.ref_logprobs) * mask).sum(1).mean().item()}),
            **({} if rollout.teacher_logprobs is None else {  # --teacher: the reverse KL to it, k1 summed a response
                "objective/distill_kl": ((rollout.logprobs - rollout.teacher_logprobs) * mask).sum(1).mean().item()}),
+           **({"ppo/loss/distill_avg": stats["distill"] / n} if args.teacher and args.distill == "loss" else {}),
            "objective/kl_coef": kl_coef, "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
            "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean().item(),
            # the tokens a pass saw (phase 3's, or epoch 0's where --old-logprobs skips it and --target-kl stops early)

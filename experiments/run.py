@@ -60,9 +60,9 @@
 31. issue 55, ckpt: rank 0's peak RSS and the seconds while saving SmolLM2's policy and critic with their AdamW
    states sharded against gathered (the save before it), and to load, on 1, 2 and 4 ranks (experiments/ckpt_memory.py).
 32. issue 63, on-policy distillation (docs/distill.md): distill: SmolLM2 on gcd, the untrained model's evaluation,
-   RL (rgym's recipe, evaluated every 3 updates) for 3 seeds, seed 1's final policy the teacher, then the untrained
-   student distilled from it by the reward form and by the loss form, 3 seeds each, at RL's batch, learning rate and
-   updates, with no task score in training (`held_out_score`): held-out pass@1 and pass@4 against updates.
+   RL (rgym's recipe, evaluated every 3 updates), seed 1, whose final policy is the teacher; then the untrained
+   student distilled from it by the reward form and by the loss form, 3 seeds each, at RL's batch and learning rate,
+   12 updates, with no task score in training (`held_out_score`): held-out pass@1 and pass@4 against updates.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
@@ -1522,27 +1522,33 @@ def training_questions(task):
 DISTILL_ARMS = ("rl", "reward", "loss")
 
 
-def distill_runs(seeds=(1, 2, 3), updates=25, arms=DISTILL_ARMS):
-    """Issue 63: RL, then distillation from RL's seed-1 policy by the reward and the loss form, on rgym's recipe
-    (evaluated every 3 updates); two runs at a time, each recorded in results.json's "distill" as it ends."""
+def distill_runs(updates=25, student_updates=12, seeds=(1, 2, 3), arms=DISTILL_ARMS):
+    """Issue 63: RL on rgym's recipe (evaluated every 3 updates), seed 1 (the teacher: issue 38's record holds seeds
+    1-3 of the same recipe), then the untrained student distilled from its final policy by the reward and the loss
+    form for `student_updates`, 3 seeds each; two runs at a time, each recorded in results.json's "distill" as it ends
+    (a run whose rows are all there is recorded, not run again)."""
     flags, base = rgym_flags()
     flags = override(flags, eval_every="3", total_episodes=str(16 * updates))
     teacher = os.path.join(ROOT, "runs", "exp_distill_rl_s1", "policy")
-    student = [*flags, "--reward-fn", "experiments/run.py:held_out_score", "--teacher", teacher]
+    student = [*override(flags, total_episodes=str(16 * student_updates)), "--reward-fn",
+               "experiments/run.py:held_out_score", "--teacher", teacher]
     arm_flags = {"rl": flags, "reward": student, "loss": [*student, "--distill", "loss"]}
     path = os.path.join(HERE, "results.json")
-    done = json.load(open(path)).get("distill", {})
     for group in (["base", "rl"], ["reward", "loss"]):  # the teacher before its students
+        done = json.load(open(path)).get("distill", {})
         jobs = [base] if "base" in group and "base" not in done else []
         jobs += [(f"exp_distill_{arm}_s{seed}", [*arm_flags[arm], "--seed", str(seed)], {}) for arm in group
-                 if arm in arms for seed in seeds if f"{arm}_s{seed}" not in done]
-        for name, (rows, seconds) in parallel_runs(jobs).items():
+                 if arm in arms for seed in (seeds[:1] if arm == "rl" else seeds) if f"{arm}_s{seed}" not in done]
+        whole = lambda name: os.path.exists(os.path.join(ROOT, "runs", name, "config.json")) and len(rows_of(name)) \
+            == (1 if name == base[0] else updates if "_rl_" in name else student_updates)
+        ran = parallel_runs([job for job in jobs if not whole(job[0])])
+        for name in [job[0] for job in jobs]:
+            rows, seconds = ran.get(name, (rows_of(name), None))
             results = json.load(open(path))
             results.setdefault("distill", {})[name[len("exp_distill_"):] if name != base[0] else "base"] = (
                 rgym_base() if name == base[0] else distill_record(rows, seconds))
             json.dump(results, open(path, "w"), indent=1)
-            done = results["distill"]
-    return done
+    return json.load(open(path))["distill"]
 
 
 def distill_record(rows, seconds):
@@ -1554,7 +1560,7 @@ def distill_record(rows, seconds):
         if "eval/pass@1" in r:
             evals.append({"update": r["step"], "pass@1": round(r["eval/pass@1"], 4), "pass@4": round(r["eval/pass@4"], 4),
                           "tokens": tokens, "seconds": round(cpu, 1)})
-    return {"evals": evals, "wall_s": round(seconds), "peak_gb": round(max(r["mem/peak_mb"] for r in rows) / 1000, 2),
+    return {"evals": evals, "wall_s": seconds and round(seconds), "peak_gb": round(max(r["mem/peak_mb"] for r in rows) / 1000, 2),
             "median_s": round(float(np.median([r["time/rollout_s"] + r["time/update_s"] for r in rows])), 1),
             "distill_kl": [round(r.get("objective/distill_kl", math.nan), 2) for r in rows]}
 

@@ -105,7 +105,7 @@ MUTANTS = [
      "mb_tokens = global_sum(mask[mb_idx].sum()).clamp(min=1)",
      "mb_tokens = global_sum(rollout.mask[mb_idx].sum()).clamp(min=1)"),
     ("chunked-head-off-by-one", "ppo.py",
-     "hidden = captured[0][:, :-1].flatten(0, 1)", "hidden = captured[0][:, 1:].flatten(0, 1)"),
+     "captured[0])[:, :-1].flatten(0, 1), head, softcap", "captured[0])[:, 1:].flatten(0, 1), head, softcap"),
     # the chunked head's written-out backward
     ("head-backward-rebuilds-logits-outside-autocast", "ppo.py",
      "enabled=ctx.amp[2]):", "enabled=False):"),
@@ -289,7 +289,10 @@ MUTANTS = [
     ("fp32-head-left-under-autocast", "ppo.py", "        with torch.autocast(hidden.device.type, enabled=False):\n"
      "            return forward(hidden.float())", "        with contextlib.nullcontext():\n"
      "            return forward(hidden.float())"),
-    ("fp32-head-not-in-the-chunks", "ppo.py", 'fp32 = getattr(head, "fp32", False)', "fp32 = False"),
+    ("fp32-head-states-not-fp32", "ppo.py", 'fp32 = getattr(head, "fp32", False)  # --fp32-head: its states',
+     "fp32 = False  # --fp32-head: its states"),
+    ("fp32-head-chunks-under-autocast", "ppo.py", 'fp32 = getattr(head, "fp32", False)  # --fp32-head: the chunks',
+     "fp32 = False  # --fp32-head: the chunks"),
     # issue 51: loose ends
     ("seq-mean-over-every-row", "ppo.py",  # veRL's trainer: a mask's rejected responses stay in the divisor
      "mb_seqs = global_sum((mask[mb_idx].amax(1) > 0).sum().float()).clamp(min=1)",
@@ -318,14 +321,14 @@ MUTANTS = [
     # issue 63: on-policy distillation, the reward form
     ("teacher-reward-sign-flipped", "ppo.py", "args.distill_coef * (logprobs - teacher_logprobs)",
      "args.distill_coef * (teacher_logprobs - logprobs)"),
-    ("teacher-reward-off-the-mask", "ppo.py", "(logprobs - teacher_logprobs) * mask if args.teacher",
-     "(logprobs - teacher_logprobs) if args.teacher"),
+    ("teacher-reward-off-the-mask", "ppo.py", "(logprobs - teacher_logprobs) * mask  # k1",
+     "(logprobs - teacher_logprobs)  # k1"),
     ("teacher-at-another-temperature", "ppo.py", "policy_logprobs(teacher, qr, am, P, temperature,",
      "policy_logprobs(teacher, qr, am, P, 1.0,"),
     ("teacher-tokenizer-not-checked", "ppo.py", "if theirs and (theirs.get_vocab(), theirs.chat_template)",
      "if False and (theirs.get_vocab(), theirs.chat_template)"),
-    ("on-policy-old-logprobs-with-a-teacher", "ppo.py", "  # read them\n                              or self.teacher)",
-     "  # read them\n                              or False)"),
+    ("on-policy-old-logprobs-with-a-teacher", "ppo.py", "or self.teacher and self.distill == \"reward\")",
+     "or False)"),
     # issue 62: the smaller findings
     ("evaluation-drops-the-last-prompts", "ppo.py", "for j in range(rank, -(-n // world) * world, world)]",
      "for j in range(rank, n - n % world, world)]"),

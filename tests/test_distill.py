@@ -108,16 +108,19 @@ def test_a_teacher_changes_the_old_log_probs_path_and_bad_input_is_one_line(worl
 
 def test_a_student_distilled_with_no_task_score_learns_the_teachers_world(world):
     """A teacher trained by RL on the toy world (40 updates), then the untrained student distilled from it with the
-    reward model's weight 0: the student's gold rises beyond sampling noise, and its reverse KL to the teacher
-    falls to under a tenth."""
+    reward model's weight 0, by each form: the student's gold rises beyond sampling noise; in the reward form its
+    reverse KL to the teacher falls to under a tenth, in the loss form (beta 0.5: a JSD, at most log 2 a token) the
+    divergence to under a half."""
     from test_data_rewards import gold_gain_beyond_noise
     run_main("test_distill_teacher", total_episodes=64 * 40, batch_size=64)
-    rows = run_main("test_distill_student", total_episodes=64 * 30, batch_size=64, kl_coef=0.0,
-                    teacher="runs/test_distill_teacher/policy", reward_model_weight=0.0)
-    gold, kl = [r["objective/gold"] for r in rows], [r["objective/distill_kl"] for r in rows]
-    assert all(r["objective/scores"] <= 0 for r in rows)  # no task score (0, or a cut response's penalty)
-    assert gold_gain_beyond_noise(gold), gold
-    assert sum(kl[-5:]) / 5 < kl[0] / 10, kl
+    for form, key, fall in (("reward", "objective/distill_kl", 10), ("loss", "ppo/loss/distill_avg", 2)):
+        rows = run_main(f"test_distill_student_{form}", total_episodes=64 * 30, batch_size=64, kl_coef=0.0,
+                        teacher="runs/test_distill_teacher/policy", reward_model_weight=0.0, distill=form,
+                        **({"distill_beta": 0.5} if form == "loss" else {}))
+        gold, divergence = [r["objective/gold"] for r in rows], [r[key] for r in rows]
+        assert all(r["objective/scores"] <= 0 for r in rows)  # no task score (0, or a cut response's penalty)
+        assert gold_gain_beyond_noise(gold), (form, gold)
+        assert sum(divergence[-5:]) / 5 < divergence[0] / fall, (form, divergence)
 
 
 @pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
@@ -178,3 +181,75 @@ def test_trls_distillation_loss_is_the_generalized_jsd_written_out():
         torch.testing.assert_close(h.grad, f64(case["grad_hidden"]), rtol=0, atol=tol)
         torch.testing.assert_close(w.grad, f64(case["grad_head"]), rtol=0, atol=tol)
         assert (h.grad[~mask.bool()] == 0).all()  # padding and the hole take no gradient
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("chunk", [4, 5])
+def test_the_loss_form_is_trls_distillation_loss(chunk):
+    """ppo.distill_divergence, chunked (4 as TRL's recording; 5, which no valid count fills), weighted as
+    --loss-agg token-mean weighs (1 / the valid count; or 1 / num_items_in_batch), in its own float32: TRL's loss and
+    gradients in the student's states and head on every case of the fixture, within twice the bound above (two
+    float32 computations, each within it of the float64 one), and nothing reaches padding or the hole."""
+    fixture = json.load(open(os.path.join(os.path.dirname(__file__), "trl_distill.json")))
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)
+    hs, ht, ws, wt, mask = (f32(fixture["inputs"][k]) for k in ("student_hidden", "teacher_hidden", "student_head",
+                                                              "teacher_head", "mask"))
+    size = lambda h, w: (h.abs() @ w.abs().T).max().item()
+    for case in fixture["cases"]:
+        h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        head, teacher_head = torch.nn.Linear(8, 17, bias=False), torch.nn.Linear(12, 17, bias=False).requires_grad_(False)
+        head.weight, teacher_head.weight = torch.nn.Parameter(w), torch.nn.Parameter(wt, requires_grad=False)
+        weights = mask / (mask.sum() if case["num_items_in_batch"] is None else case["num_items_in_batch"])  # (B, K)
+        divergence = ppo.distill_divergence((h.flatten(0, 1), head, None), (ht.flatten(0, 1), teacher_head, None),
+                                            weights, case["temperature"], case["beta"], chunk)  # (B, K)
+        loss = (divergence * weights).sum()
+        loss.backward()
+        d = 12 * EPS * max(size(hs[mask.bool()], ws), size(ht[mask.bool()], wt)) / case["temperature"]
+        log_s, log_t = (torch.log_softmax(x.double() @ y.double().T / case["temperature"], -1)[mask.bool()]
+                        for x, y in ((hs, ws), (ht, wt)))  # (n, V) each
+        tol = 2 * 2 * 4 * d * (1 + (log_s - log_t).abs().max().item())
+        assert loss.item() == pytest.approx(case["loss"], abs=tol * max(1.0, abs(case["loss"]))), case
+        torch.testing.assert_close(h.grad, f32(case["grad_hidden"]), rtol=0, atol=tol)
+        torch.testing.assert_close(head.weight.grad, f32(case["grad_head"]), rtol=0, atol=tol)
+        assert (divergence[~mask.bool()] == 0).all() and (h.grad[~mask.bool()] == 0).all()
+
+
+def test_the_loss_form_trains_on_the_divergence_of_the_policys_own_samples(world, tmp_path, monkeypatch):
+    """--distill loss at beta 0.5 with no other term (beta 0, no task score, GRPO's zero advantages): the logged
+    ppo/loss/distill_avg is the mean over the response tokens of the generalized JSD of the untrained student and the
+    teacher, recomputed from plain forwards in float64 (each token within 4 (1 + max |log ratio|) of both models'
+    log-prob rounding, as above); no pass runs in phase 3 (one step on-policy: the old log-probs are the new, and the
+    teacher is read in phase 7); and the coefficient
+    is a factor of the gradient: at 1 it is exactly twice that at 0.5 (a power of two commutes with rounding)."""
+    teacher = perturbed_teacher(world, tmp_path / "teacher", scale=0.5)
+    seen, grads, real_step = rollouts_logged(monkeypatch), [], ppo.optimizer_step
+    passes, real_pass = [], ppo.policy_logprobs
+    monkeypatch.setattr(ppo, "policy_logprobs", lambda m, *a, **k: passes.append(m) or real_pass(m, *a, **k))
+    monkeypatch.setattr(ppo, "chunked_head_works", lambda model, device: True)  # (its own 8-token probes)
+    monkeypatch.setattr(ppo, "optimizer_step", lambda models, *a, **k: grads.append(
+        [p.grad.clone() for p in models[0].parameters() if p.grad is not None]) or real_step(models, *a, **k))
+    flags = dict(teacher=teacher, distill="loss", distill_beta=0.5, kl_coef=0.0, reward_model_weight=0.0,
+                 adv_estimator="grpo", group_size=4, num_ppo_epochs=1, num_minibatches=1, total_episodes=64)
+    row = run_main("test_distill_loss", distill_coef=0.5, **flags)[0]
+    assert len(passes) == 1  # the student's training forward: one step on its own samples is on-policy
+    r, T = seen[0], seen[0].mask.shape[1]
+    logits = []
+    for path in (world[0], teacher):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            out = model(input_ids=r.query_responses, attention_mask=r.attention_mask,
+                        position_ids=(r.attention_mask.cumsum(1) - 1).clamp(min=0)).logits
+        logits.append(out[:, -T - 1:-1].double() / 0.7)  # (B, T, V)
+    mask = r.mask.bool()
+    s, t = (x[mask].requires_grad_() for x in logits)  # (n, V) each
+    divergence = ppo.generalized_jsd(s, t, 0.5)  # (n,)
+    divergence.sum().backward()  # each token's sensitivity to its logits: a logit off by d moves it by |grad| d
+    tol = 2 * max((s.grad.abs().sum(-1) * logprob_tolerance(world[0])
+                   + t.grad.abs().sum(-1) * logprob_tolerance(teacher)).max().item(), 1e-12)
+    assert divergence.mean().item() > 10 * tol  # (another model: not rounding)
+    assert row["ppo/loss/distill_avg"] == pytest.approx(divergence.mean().item(), abs=tol), tol
+    assert "objective/distill_kl" not in row
+    half = grads[0]
+    grads.clear()
+    run_main("test_distill_loss_1", distill_coef=1.0, **flags)
+    assert len(half) > 0 and all(torch.equal(a, 2 * b) for a, b in zip(grads[0], half))

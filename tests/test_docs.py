@@ -148,12 +148,13 @@ def test_a_size_limit_says_it_is_one_and_how_a_fork_turns_it_off(monkeypatch):
 # what the algorithm's functions may still call below `main`: the engine, the reward sources, the env's checked
 # calls and the chat template's rendering, the packing of the sampler's support, the chunked head's kernels, the
 # parts of a batch, the micro-batches and the chunked head (the default log-prob path), an env's episodes (their
-# token bookkeeping), whether a reference is loaded at all, and the one-line error
+# token bookkeeping), whether a reference is loaded at all, the one-line error, the hook that takes the head's
+# states, the keyed sampler and where a response stops
 PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "reward_model_scores", "render_for_rm",
             "env_call", "env_step", "first_observation", "observation_ids", "question", "pick", "join",
             "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs",
             "micro_batches", "chunked_logprobs", "global_max", "play", "no_reference", "sampler_autocast",
-            "refill_order"}
+            "refill_order", "head_states", "head_logits", "KeyedSampler", "response_lengths"}
 
 
 @pytest.mark.fast
