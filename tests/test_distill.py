@@ -5,6 +5,8 @@ definition, recomputed here by plain forwards of the student and the teacher; th
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -84,9 +86,10 @@ def test_an_agents_observations_take_no_teacher_term(tmp_path, monkeypatch):
 
 @pytest.mark.fast
 def test_a_teacher_changes_the_old_log_probs_path_and_bad_input_is_one_line(world, tmp_path):
-    """Phase 4 reads the old log-probs with a teacher, so auto recomputes them even where one step would be
-    on-policy, and on-policy is refused; a negative coefficient, a teacher that will not load, and one whose tokenizer
-    is not the student's are refused in one line."""
+    """Phase 4 reads the old log-probs with a teacher (the reward form), so auto recomputes them even where one step
+    would be on-policy, and on-policy is refused; the loss form reads none. A negative coefficient, --distill loss or
+    --distill-coef without a teacher, a --distill-beta out of [0, 1] or without the loss form, a teacher that will not
+    load, and one whose tokenizer is not the student's are refused in one line."""
     args = ppo.Args(teacher="x", num_ppo_epochs=1, kl_coef=0.0)
     ppo.check_args(args, 1)
     assert args.old_logprobs == "recompute"
@@ -96,6 +99,14 @@ def test_a_teacher_changes_the_old_log_probs_path_and_bad_input_is_one_line(worl
         ppo.check_args(ppo.Args(teacher="x", distill_coef=-1.0), 1)
     with pytest.raises(ppo.UsageError, match="add --teacher PATH"):
         ppo.check_args(ppo.Args(distill_coef=0.5), 1)
+    with pytest.raises(ppo.UsageError, match="add --teacher PATH"):  # --distill loss with nothing to distil
+        ppo.check_args(ppo.Args(distill="loss"), 1)
+    for bad in (dict(distill="loss", distill_beta=1.5), dict(distill_beta=0.5)):  # out of range; the reward form's
+        with pytest.raises(ppo.UsageError, match="--distill-beta .*: the divergence of --distill loss"):
+            ppo.check_args(ppo.Args(teacher="x", **bad), 1)
+    args = ppo.Args(teacher="x", distill="loss", num_ppo_epochs=1, num_minibatches=1, kl_coef=0.0)
+    ppo.check_args(args, 1)
+    assert args.old_logprobs == "on-policy"  # the loss form reads no old log-probs in phase 4
     with pytest.raises(ppo.UsageError, match=r"--teacher '.*nowhere' cannot be loaded") as e:
         run_main("test_distill_bad", teacher=str(tmp_path / "nowhere"))
     assert "\n" not in str(e.value)
@@ -214,13 +225,15 @@ def test_the_loss_form_is_trls_distillation_loss(chunk):
         assert (divergence[~mask.bool()] == 0).all() and (h.grad[~mask.bool()] == 0).all()
 
 
+@pytest.mark.fast
 def test_the_loss_form_trains_on_the_divergence_of_the_policys_own_samples(world, tmp_path, monkeypatch):
     """--distill loss at beta 0.5 with no other term (beta 0, no task score, GRPO's zero advantages): the logged
     ppo/loss/distill_avg is the mean over the response tokens of the generalized JSD of the untrained student and the
-    teacher, recomputed from plain forwards in float64 (each token within 4 (1 + max |log ratio|) of both models'
-    log-prob rounding, as above); no pass runs in phase 3 (one step on-policy: the old log-probs are the new, and the
-    teacher is read in phase 7); and the coefficient
-    is a factor of the gradient: at 1 it is exactly twice that at 0.5 (a power of two commutes with rounding)."""
+    teacher, recomputed from plain forwards in float64 (within twice the first-order change that both models' log-prob
+    rounding makes: the sum over the vocabulary of |d divergence / d logit| times it); no pass runs in phase 3 (one
+    step on-policy: the old log-probs are the new, and the teacher is read in phase 7); the gradient has the scale of
+    that mean's by a plain forward (within 2x: a sum would be the tokens' count apart); and the coefficient is a
+    factor of the gradient: at 1 it is exactly twice that at 0.5 (a power of two commutes with rounding)."""
     teacher = perturbed_teacher(world, tmp_path / "teacher", scale=0.5)
     seen, grads, real_step = rollouts_logged(monkeypatch), [], ppo.optimizer_step
     passes, real_pass = [], ppo.policy_logprobs
@@ -249,7 +262,52 @@ def test_the_loss_form_trains_on_the_divergence_of_the_policys_own_samples(world
     assert divergence.mean().item() > 10 * tol  # (another model: not rounding)
     assert row["ppo/loss/distill_avg"] == pytest.approx(divergence.mean().item(), abs=tol), tol
     assert "objective/distill_kl" not in row
+    student = AutoModelForCausalLM.from_pretrained(world[0])  # the gradient's scale: the mean's, not the sum's
+    s = student(input_ids=r.query_responses, attention_mask=r.attention_mask,
+                position_ids=(r.attention_mask.cumsum(1) - 1).clamp(min=0)).logits[:, -T - 1:-1] / 0.7  # (B, T, V)
+    (0.5 * ppo.generalized_jsd(s[mask], logits[1][mask].float(), 0.5).mean()).backward()
+    plain = torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None])
+    assert 0.5 < torch.cat([g.flatten() for g in grads[0]]).norm() / plain.norm() < 2  # (n tokens apart if summed)
     half = grads[0]
     grads.clear()
     run_main("test_distill_loss_1", distill_coef=1.0, **flags)
     assert len(half) > 0 and all(torch.equal(a, 2 * b) for a, b in zip(grads[0], half))
+
+
+@pytest.mark.parametrize("mode", ["vllm", "async"])
+def test_the_teacher_scores_the_trainers_tokens_through_the_engine_and_beside_an_async_sampler(world, tmp_path,
+                                                                                             monkeypatch, mode):
+    """--vllm (the engine samples) and --async-steps 1 (a second process samples, one update behind): the teacher's
+    pass is the trainer's, on the tokens sampled, so each token's reward term is -(log p - log p_teacher) with the
+    trainer's old log-probs, the teacher's recomputed here by a plain forward."""
+    teacher = perturbed_teacher(world, tmp_path / "teacher")
+    seen = rollouts_logged(monkeypatch)
+    flags = {"vllm": dict(vllm=True), "async": dict(async_steps=1)}[mode]
+    rows = run_main(f"test_distill_{mode}", teacher=teacher, kl_coef=0.0, total_episodes=128, batch_size=64, **flags)
+    assert len(rows) == 2 and all(math.isfinite(r["objective/distill_kl"]) for r in rows)
+    for r in seen:
+        theirs = sampled_logprobs(teacher, r)  # (B, T)
+        tol = 2 * logprob_tolerance(teacher)
+        assert (r.logprobs - theirs).abs().max() > 100 * tol
+        torch.testing.assert_close(r.non_score_reward, -(r.logprobs - theirs) * r.mask, rtol=0, atol=tol)
+
+
+def test_a_distilled_run_resumes_exactly_and_refuses_another_teacher(world):
+    """The loss form killed at its checkpoint of update 1 and resumed logs the straight run's rows; resuming with
+    another --teacher or --distill-beta is refused in one line naming the flag (the teacher is among the flags
+    compared)."""
+    from test_resume import metrics, straight_and_resumed
+    teacher = perturbed_teacher(world, "runs/test_distill_resume_teacher")
+    flags = ["--teacher", teacher, "--distill", "loss", "--distill-beta", "0.5", "--kl-coef", "0", "--total-episodes",
+             "192", "--save-every", "1"]
+    runs = straight_and_resumed("test_distill_resume", flags)
+    straight, resumed = ([{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in metrics(run)]
+                         for run in runs)
+    assert resumed == straight and len(straight) == 3 and all(r["ppo/loss/distill_avg"] > 0 for r in straight)
+    other = perturbed_teacher(world, "runs/test_distill_resume_other", scale=0.1)
+    for flag, value in (("--teacher", other), ("--distill-beta", "1.0")):
+        changed = list(flags)
+        changed[changed.index(flag) + 1] = value
+        out = subprocess.run([sys.executable, "ppo.py", "--run-name", runs[1], "--resume", "auto", *changed],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and f"{flag} " in out.stderr.strip().splitlines()[-1], out.stderr[-500:]
