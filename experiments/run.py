@@ -1499,23 +1499,24 @@ def checkpoint_memory(ranks=(1, 2, 4)):
 
 def held_out_score(prompts, responses, task, entry, answer_format, **columns):
     """The task's score (adapters.reasoning_gym_reward) on evaluation questions, 0 on training ones: a student
-    trained with it learns from its teacher alone while its evaluation reads the task (evaluation questions are
-    never training questions, issue 38)."""
+    trained with it learns from its teacher alone while its evaluation reads the task."""
     sys.path.insert(0, ROOT)
     import adapters
     scores = adapters.reasoning_gym_reward(prompts, responses, task, entry, answer_format)
-    return [s if e["question"] not in training_questions(t) else 0.0 for s, e, t in zip(scores, entry, task)]
+    return [s if e["question"] in evaluation_questions(t) else 0.0 for s, e, t in zip(scores, entry, task)]
 
 
 _QUESTIONS = {}
 
 
-def training_questions(task):
-    """The questions of --dataset reasoning-gym:TASK's training rows at RGYM_SCREEN's options (adapters.py's)."""
+def evaluation_questions(task, eval_size=32):
+    """--dataset reasoning-gym:TASK's evaluation questions at RGYM_SCREEN's options and rgym's --eval-size: the first
+    eval_size distinct ones of the candidates generated after the training rows (adapters.reasoning_gym_rows, then
+    ppo.py's generated_split, which drops every training row that asks one)."""
     if task not in _QUESTIONS:
         import reasoning_gym
-        _QUESTIONS[task] = {e["question"] for e in reasoning_gym.create_dataset(task, size=2048, seed=1234,
-                                                                                **RGYM_SCREEN[task])}
+        candidates = reasoning_gym.create_dataset(task, size=2 * eval_size, seed=1234 + 2048, **RGYM_SCREEN[task])
+        _QUESTIONS[task] = set(list(dict.fromkeys(e["question"] for e in candidates))[:eval_size])
     return _QUESTIONS[task]
 
 

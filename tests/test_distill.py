@@ -311,3 +311,14 @@ def test_a_distilled_run_resumes_exactly_and_refuses_another_teacher(world):
         out = subprocess.run([sys.executable, "ppo.py", "--run-name", runs[1], "--resume", "auto", *changed],
                              capture_output=True, text=True)
         assert out.returncode != 0 and f"{flag} " in out.stderr.strip().splitlines()[-1], out.stderr[-500:]
+
+
+def test_the_loss_form_with_lora_distils_a_teacher_of_its_own(world, tmp_path):
+    """--lora-rank with --distill loss: at update 1 the student is its base exactly (the adapters' B is 0), so a
+    teacher taken from the adapters-off base would give a divergence of exactly 0; the teacher is a model of its own
+    (the toy policy moved by noise), and the first update's divergence is that model's."""
+    teacher = perturbed_teacher(world, tmp_path / "teacher")
+    rows = run_main("test_distill_lora", teacher=teacher, distill="loss", lora_rank=8, kl_coef=0.0,
+                    reward_model_weight=0.0, total_episodes=64 * 2, batch_size=64)
+    divergence = [r["ppo/loss/distill_avg"] for r in rows]
+    assert all(math.isfinite(d) for d in divergence) and divergence[0] > 1e-2, divergence
