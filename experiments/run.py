@@ -62,7 +62,7 @@
 32. issue 63, on-policy distillation (docs/distill.md): distill: SmolLM2 on gcd, the untrained model's evaluation,
    RL (rgym's recipe, evaluated every 3 updates), seed 1, whose final policy is the teacher; then the untrained
    student distilled from it by the reward form and by the loss form, 3 seeds each, at RL's batch and learning rate,
-   12 updates, with no task score in training (`held_out_score`): held-out pass@1 and pass@4 against updates.
+   9 updates, with no task score in training (`held_out_score`): held-out pass@1 and pass@4 against updates.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
@@ -1523,7 +1523,7 @@ def evaluation_questions(task, eval_size=32):
 DISTILL_ARMS = ("rl", "reward", "loss")
 
 
-def distill_runs(updates=25, student_updates=12, seeds=(1, 2, 3), arms=DISTILL_ARMS):
+def distill_runs(updates=25, student_updates=9, seeds=(1, 2, 3), arms=DISTILL_ARMS):
     """Issue 63: RL on rgym's recipe (evaluated every 3 updates), seed 1 (the teacher: issue 38's record holds seeds
     1-3 of the same recipe), then the untrained student distilled from its final policy by the reward and the loss
     form for `student_updates`, 3 seeds each; two runs at a time, each recorded in results.json's "distill" as it ends
@@ -1557,13 +1557,33 @@ def distill_record(rows, seconds):
     evals, tokens, cpu = [], 0, 0.0
     for r in rows:
         tokens += r["time/generated_tokens"]
-        cpu += r["time/rollout_s"] + r["time/update_s"]
+        cpu += r["time/cpu_s"] if "time/cpu_s" in r else r["time/rollout_s"] + r["time/update_s"]
         if "eval/pass@1" in r:
-            evals.append({"update": r["step"], "pass@1": round(r["eval/pass@1"], 4), "pass@4": round(r["eval/pass@4"], 4),
-                          "tokens": tokens, "seconds": round(cpu, 1)})
-    return {"evals": evals, "wall_s": seconds and round(seconds), "peak_gb": round(max(r["mem/peak_mb"] for r in rows) / 1000, 2),
+            evals.append({"update": r["step"], "pass@1": round(r["eval/pass@1"], 4),
+                          "pass@4": round(r["eval/pass@4"], 4), "tokens": tokens, "seconds": round(cpu, 1)})
+    return {"evals": evals, "wall_s": seconds and round(seconds),
+            "peak_gb": round(max(r["mem/peak_mb"] for r in rows) / 1000, 2),
             "median_s": round(float(np.median([r["time/rollout_s"] + r["time/update_s"] for r in rows])), 1),
-            "distill_kl": [round(r.get("objective/distill_kl", math.nan), 2) for r in rows]}
+            "distill_kl": [round(r.get("objective/distill_kl", r.get("ppo/loss/distill_avg", math.nan)), 3)
+                           for r in rows]}
+
+
+def distill_figure(record):
+    """experiments/distill.png: held-out pass@1 against updates, sampled tokens and CPU seconds, for RL (the
+    teacher's run) and each seed of the two forms, the untrained model's level dashed."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for arm, color in (("rl", "k"), ("reward", "C0"), ("loss", "C3")):
+        for name in sorted(k for k in record if k.startswith(arm + "_s")):
+            ev = record[name]["evals"]
+            for ax, x in zip(axes, ("update", "tokens", "seconds")):
+                ax.plot([e[x] for e in ev], [e["pass@1"] for e in ev], "o-", color=color, lw=1, ms=3,
+                        label=f"{arm} {name[-2:]}" if x == "update" else None)
+    for ax, label in zip(axes, ("update", "sampled tokens", "CPU seconds (2 runs at a time)")):
+        ax.axhline(record["base"]["pass@1"], ls="--", color="grey", lw=1)
+        ax.set_xlabel(label), ax.set_ylabel("held-out pass@1")
+    axes[0].legend(fontsize=6), axes[0].set_title("gcd, SmolLM2-135M: RL (the teacher) and distillation")
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, "distill.png"), dpi=80)
+
 
 
 if __name__ == "__main__":
@@ -1579,7 +1599,8 @@ if __name__ == "__main__":
                      ("rgymquick", rgym_quick), ("rgymagain", rgym_again), ("trl", trl_learning),
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
-                     ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory), ("distill", distill_runs)):
+                     ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory),
+                     ("distill", distill_runs)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)

@@ -2,9 +2,9 @@
 teacher, prompts, completions an update, response length, temperature, learning rate, precision and divergence.
 
 Runs in TRL's own environment, as experiments/trl_grpo.py does (its setup, then):
-    .venv-trl/bin/python experiments/trl_distill.py --model runs/smollm2/model --teacher runs/exp_distill_rl_s1/policy \\
-        --dataset reasoning-gym:gcd --dataset-options '{"max_value": 20}' --answer-format number --eval-size 32 \\
-        --seed 1 --updates 3 --out runs/exp_trl_distill_s1
+    .venv-trl/bin/python experiments/trl_distill.py --model runs/smollm2/model \\
+        --teacher runs/exp_distill_rl_s1/policy --dataset reasoning-gym:gcd --dataset-options '{"max_value": 20}' \\
+        --answer-format number --eval-size 32 --seed 1 --updates 3 --out runs/exp_trl_distill_s1
 
 An update is one optimizer step on --batch-size completions generated together (TRL's generation batch:
 per_device_train_batch_size x gradient_accumulation_steps, one completion a prompt). The prompts are ppo.py's own

@@ -135,14 +135,17 @@ def test_a_student_distilled_with_no_task_score_learns_the_teachers_world(world)
 
 
 @pytest.mark.mutants  # (a minute: outside the fast subset; the mutation check runs it)
-def test_a_teacher_sharded_on_two_ranks_gives_the_run_of_one(world):
+@pytest.mark.parametrize("form", ["reward", "loss"])
+def test_a_teacher_sharded_on_two_ranks_gives_the_run_of_one(world, form):
     """FSDP2 under torchrun: the teacher sharded as the reference is (--shard-frozen), the run within fp32's
-    rounding of the one-rank run, its distill_kl included."""
+    rounding of the one-rank run, its distill_kl (the reward form) or its divergence (the loss form, whose teacher
+    runs sharded in phase 7 beside the sharded policy) included."""
     from test_sharded import assert_same_run, run
     teacher = perturbed_teacher(world, "runs/test_distill_teacher_perturbed")
-    flags = ["--teacher", teacher, "--kl-coef", "0"]
-    two, one = run(2, "test_distill_two", *flags), run(1, "test_distill_one", *flags)
-    assert all(r["objective/distill_kl"] > 0 for r in one)
+    flags = ["--teacher", teacher, "--kl-coef", "0", "--distill", form]
+    two, one = run(2, f"test_distill_two_{form}", *flags), run(1, f"test_distill_one_{form}", *flags)
+    key = "objective/distill_kl" if form == "reward" else "ppo/loss/distill_avg"
+    assert all(r[key] > 0 for r in one)
     assert_same_run(two, one)
 
 
@@ -208,7 +211,7 @@ def test_the_loss_form_is_trls_distillation_loss(chunk):
     size = lambda h, w: (h.abs() @ w.abs().T).max().item()
     for case in fixture["cases"]:
         h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-        head, teacher_head = torch.nn.Linear(8, 17, bias=False), torch.nn.Linear(12, 17, bias=False).requires_grad_(False)
+        head, teacher_head = torch.nn.Linear(8, 17, bias=False), torch.nn.Linear(12, 17, bias=False)
         head.weight, teacher_head.weight = torch.nn.Parameter(w), torch.nn.Parameter(wt, requires_grad=False)
         weights = mask / (mask.sum() if case["num_items_in_batch"] is None else case["num_items_in_batch"])  # (B, K)
         divergence = ppo.distill_divergence((h.flatten(0, 1), head, None), (ht.flatten(0, 1), teacher_head, None),
