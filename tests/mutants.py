@@ -289,8 +289,6 @@ MUTANTS = [
     ("fp32-head-left-under-autocast", "ppo.py", "        with torch.autocast(hidden.device.type, enabled=False):\n"
      "            return forward(hidden.float())", "        with contextlib.nullcontext():\n"
      "            return forward(hidden.float())"),
-    ("fp32-head-states-not-fp32", "ppo.py", 'fp32 = getattr(head, "fp32", False)  # --fp32-head: its states',
-     "fp32 = False  # --fp32-head: its states"),
     ("fp32-head-chunks-under-autocast", "ppo.py", 'fp32 = getattr(head, "fp32", False)  # --fp32-head: the chunks',
      "fp32 = False  # --fp32-head: the chunks"),
     # issue 51: loose ends
