@@ -137,17 +137,20 @@ def vllm_engine(path, config, args, device):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     from vllm import LLM
+    set_num_threads = torch.set_num_threads  # (its CPU worker makes this a no-op for the whole process: put back below)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # LLM(seed=...) reseeds the
         dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32", "bf16": "bfloat16",  # caller's generators
                  "fp32": "float32", "fp16": "float16"}
-        return LLM(model=path, dtype=dtype[args.sampler_precision], seed=args.seed,
-                   distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,  # torchrun
-                   logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
-                   generation_config="vllm",  # every sampling setting comes from the trainer, none from the checkpoint
-                   max_model_len=min(args.max_prompt_length + args.max_episode_tokens,  # a whole episode
-                                     config.max_position_embeddings), enforce_eager=device.type != "cuda",
-                   gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
-                   trust_remote_code=args.trust_remote_code)
+        llm = LLM(model=path, dtype=dtype[args.sampler_precision], seed=args.seed,
+                  distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,  # torchrun
+                  logprobs_mode="processed_logprobs", enable_prefix_caching=False,  # no stale KV after a push
+                  generation_config="vllm",  # every sampling setting comes from the trainer, none from the checkpoint
+                  max_model_len=min(args.max_prompt_length + args.max_episode_tokens,  # a whole episode
+                                    config.max_position_embeddings), enforce_eager=device.type != "cuda",
+                  gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
+                  trust_remote_code=args.trust_remote_code)
+    torch.set_num_threads = set_num_threads  # (unbound threads: --async-steps' Sampler and the tests set them again)
+    return llm
 
 
 def vllm_generate(llm, config, prompt_ids, keys, greedy, pad_token_id, device):

@@ -34,7 +34,9 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_push(world):
     policy.generation_config = GenerationConfig(
         do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    set_num_threads = torch.set_num_threads
     llm = adapters.vllm_engine(policy_path, policy.config, args, torch.device("cpu"))
+    assert torch.set_num_threads is set_num_threads  # (vLLM's CPU worker swaps it for a no-op in the whole process)
     prompts = [tok(p).input_ids for p in toy.prompts(32, seed=3)]
 
     def gap(model):
