@@ -1568,6 +1568,49 @@ def distill_record(rows, seconds):
                            for r in rows]}
 
 
+def distill_trl(updates=9, short=4, seed=1):
+    """Issue 63 item 5: TRL 1.12's DistillationTrainer beside ppo.py's --distill loss at its settings
+    (experiments/trl_distill.py: the student, the teacher, 16 completions an update, one optimizer step, fp32, no
+    gradient checkpointing), one process at a time on the whole machine, alternating. Round 1 runs `updates` updates
+    and evaluates both final policies with the one evaluator (held-out pass@1 and pass@4); round 2 runs `short`
+    updates. Seconds an update (wall and CPU: the median of updates 2..N, both rounds pooled) and peak RSS."""
+    sys.path.insert(0, HERE), sys.path.insert(0, ROOT)
+    import smollm2
+    import trl_distill
+    model = smollm2.build(os.path.join(ROOT, smollm2.ROOT))[0]
+    teacher = os.path.join(ROOT, "runs", "exp_distill_rl_s1", "policy")
+    task = ["--model", model, "--teacher", teacher, "--dataset", "reasoning-gym:gcd", "--dataset-options",
+            json.dumps(RGYM_SCREEN["gcd"]), "--answer-format", "number", "--eval-size", "32", "--seed", str(seed),
+            "--gradient-checkpointing", "0"]
+    out, env = {"trl": {"rows": []}, "ppo": {"rows": []}}, dict(os.environ, OMP_NUM_THREADS="2")
+    for n in (updates, short):
+        a = trl_distill.parser().parse_args([*task, "--updates", str(n), "--out", ""])
+        for arm in ("trl", "ppo"):
+            name = f"exp_distill_side_{arm}_{n}_s{seed}"
+            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+            cmd = ([TRL_PYTHON, os.path.join(HERE, "trl_distill.py"), *task, "--updates", str(n), "--out",
+                    os.path.join(ROOT, "runs", name)] if arm == "trl" else
+                   [sys.executable, "ppo.py", "--model", model, *trl_distill.ppo_flags(a), "--run-name", name,
+                    "--sample-every", "0", "--save-every", "0"])
+            subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            rows = trl_update_rows("ppo", name) if arm == "ppo" else [
+                {"s": r["update_s"], "cpu_s": r["cpu_s"], "peak_mb": r["peak_rss_mb"]} for r in rows_of(name)]
+            out[arm]["rows"] += rows[1:]
+            out[arm]["peak_mb"] = max(out[arm].get("peak_mb", 0), *(r["peak_mb"] for r in rows))
+            if n == updates:
+                flags = override(trl_distill.ppo_flags(a), learning_rate="1e-12", total_episodes=str(a.batch_size),
+                                 seed="1")
+                out[arm]["held_out"] = score_policy(["--model", os.path.join(ROOT, "runs", name, "policy"), *flags],
+                                                    f"exp_distill_side_eval_{arm}", env)
+            print(arm, n, out[arm].get("held_out"), rows[-1], flush=True)
+    for arm in ("trl", "ppo"):
+        rows = out[arm].pop("rows")
+        out[arm].update(s=float(np.median([r["s"] for r in rows])), cpu_s=float(np.median([r["cpu_s"] for r in rows])))
+    out["ratios"] = {k: out["ppo"][k] / out["trl"][k] for k in ("s", "cpu_s", "peak_mb")}
+    trl_record("distill", "trl_side", out)
+    return out
+
+
 def distill_figure(record):
     """experiments/distill.png: held-out pass@1 against updates, sampled tokens and CPU seconds, for RL (the
     teacher's run) and each seed of the two forms, the untrained model's level dashed."""
@@ -1600,14 +1643,14 @@ if __name__ == "__main__":
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
                      ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory),
-                     ("distill", distill_runs)):
+                     ("distill", distill_runs), ("distilltrl", distill_trl)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
             keys = {"trlspeed": "trlspeed52", "asyncspeed": "async54", "asynclearn": "async54_learning",
                     "ckpt": "ckpt55"}
             results[keys.get(name, name)] = result  # (issue 42's trlspeed kept beside it)
-            if name == "distill":  # (recorded run by run as they end)
+            if name in ("distill", "distilltrl"):  # (recorded as they end)
                 continue
             if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
                 results["rgym_heldout"] = results.pop(name)
