@@ -1,0 +1,141 @@
+"""The sandbox for tool calls (issue 64, item 2-3: sandbox.py): hostile calls, each contained within its limits and
+reported in the tool's result, with this process (the trainer's place) and its files untouched."""
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+import sandbox
+
+SANDBOX = sandbox.__file__  # its `python` tool: runs the model's code
+HELD = sandbox.held()  # what this machine lets a process close (sandbox.py's table): a step it lacks is skipped
+LIMITS = sandbox.Limits(wall_s=4, cpu_s=2, memory_mb=512, processes=8, output_bytes=4096)
+
+
+def call(code, limits=LIMITS):
+    t0 = time.monotonic()
+    result = sandbox.run(SANDBOX, "python", {"code": code}, limits)
+    return result, time.monotonic() - t0
+
+
+def sandbox_processes():
+    """The pids of processes running sandbox.py's child (a call's leftovers if any)."""
+    out = subprocess.run(["pgrep", "-f", f"{SANDBOX} [0-9]"], capture_output=True, text=True).stdout
+    return out.split()
+
+
+@pytest.mark.fast
+def test_a_call_runs_clean_in_a_folder_of_its_own_that_is_removed_after():
+    """A plain call answers what it printed; it starts with no inherited environment variable (the trainer's
+    secrets, WANDB_API_KEY say) and in an empty folder of its own, which it may write and which is gone after."""
+    os.environ["PPO_TOOL_SECRET"] = "s3cret"
+    try:
+        result, _ = call("import os, json\nopen('note.txt', 'w').write('kept')\n"
+                         "print(json.dumps([os.getcwd(), sorted(os.listdir('.')), open('note.txt').read(), "
+                         "'PPO_TOOL_SECRET' in os.environ]))")
+    finally:
+        del os.environ["PPO_TOOL_SECRET"]
+    assert result.status == "ok", result
+    import json
+    folder, files, note, secret = json.loads(result.text)
+    assert files == ["note.txt"] and note == "kept" and not secret
+    assert not os.path.exists(folder)
+    assert sandbox.run(SANDBOX, "python", {"code": "print(6 * 7)"}).text == "42\n"
+
+
+def needs(*steps):
+    missing = set(steps) - HELD
+    return pytest.mark.skipif(bool(missing), reason=f"this machine does not let a process close {sorted(missing)}")
+
+
+HOSTILE = {  # name: (code, the result's status, a word its text must hold)
+    "an infinite loop": ("while True:\n    pass", "limit", "CPU-time"),  # (its own wall clock: 30 s, below)
+    "a sleep past the wall clock": ("import time\ntime.sleep(60)", "timeout", "4 s limit"),
+    "a fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                    ("timeout", "limit"), "limit"),
+    "allocating 20 GB": ("x = bytearray(20 * 2**30)", "limit", "memory"),
+    "printing 1 GB": ("import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * 2**20)", "limit", "4096 bytes"),
+    "raising": ("raise ValueError('no such thing')", "error", "ValueError: no such thing"),
+    "killing its parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "error",
+                           "Operation not permitted"),
+}
+NEEDS = {"a fork bomb": "processes", "killing its parent": "signals"}  # (unsafe to try where they do not hold)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs(NEEDS[n])) if n in NEEDS else n for n in HOSTILE])
+def test_a_hostile_call_is_contained_and_reported(name):
+    code, status, word = HOSTILE[name]
+    before = set(sandbox_processes())
+    limits = sandbox.Limits(**{**vars(LIMITS), "wall_s": 30, "cpu_s": 1}) if name == "an infinite loop" else LIMITS
+    result, seconds = call(code, limits)
+    assert result.status in (status if isinstance(status, tuple) else (status,)), result
+    assert word in result.text and result.text.startswith("error:"), result
+    assert seconds < limits.wall_s + 3  # (stopped at its limit, not left to run)
+    assert set(sandbox_processes()) <= before  # nothing it started outlives the call (the fork bomb's children)
+
+
+@needs("files")
+def test_a_call_reads_and_writes_nothing_outside_its_folder(tmp_path):
+    """The run's own files (this repository's), the user's home and any other folder are closed to it, for reading,
+    listing and writing; every attempt is an error text, and nothing outside changes."""
+    secret = tmp_path / "checkpoint.txt"
+    secret.write_text("weights")
+    home = os.path.expanduser("~")
+    targets = {"read": f"print(open({str(secret)!r}).read())", "list": f"print(os.listdir({home!r}))",
+               "source": f"print(open({os.path.abspath('ppo.py')!r}).read()[:20])",
+               "write": f"open({str(tmp_path / 'new.txt')!r}, 'w').write('x')",
+               "overwrite": f"open({str(secret)!r}, 'w').write('gone')",
+               "remove": f"os.remove({str(secret)!r})"}
+    for what, code in targets.items():
+        result, _ = call("import os\n" + code)
+        assert result.status == "error" and "PermissionError" in result.text, (what, result)
+    assert secret.read_text() == "weights" and sorted(os.listdir(tmp_path)) == ["checkpoint.txt"]
+
+
+@pytest.mark.fast
+def test_what_a_tool_returns_or_is_called_with_wrongly_is_an_error_text(tmp_path):
+    """A tool (a function of a tools file) returning what JSON cannot hold, or called with an unknown argument: an
+    error text for the model, the caller goes on; a value it returns is its result, as JSON."""
+    tools = tmp_path / "tools.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\n\n"
+                     "def weird() -> object:\n    return object()\n\n"
+                     "def nan() -> float:\n    return float('nan')\n")
+    assert sandbox.run(str(tools), "add", {"a": 2, "b": 3}).text == "5"
+    for name, arguments, word in (("weird", {}, "JSON cannot hold"), ("nan", {}, "JSON cannot hold"),
+                                  ("add", {"a": 1, "c": 2}, "unexpected keyword argument")):
+        result = sandbox.run(str(tools), name, arguments)
+        assert result.status == "error" and word in result.text, result
+
+
+@needs("network namespace")
+def test_a_call_reaches_no_network():
+    """A TCP server and a UDP socket listening on this machine's loopback: the call can neither connect to the one
+    nor send to the other (each attempt an error text), and neither hears from it."""
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        server.settimeout(0.5), udp.settimeout(0.5)
+        for code in (f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)"
+                     ".sendall(b'hello')",
+                     f"import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'hello', "
+                     f"('127.0.0.1', {udp.getsockname()[1]}))"):
+            result, _ = call(code)
+            assert result.status == "error" and "Error" in result.text, result
+        with pytest.raises(socket.timeout):
+            server.accept()
+        with pytest.raises(socket.timeout):
+            udp.recv(16)
+
+
+@needs("processes")
+def test_a_call_starts_at_most_its_processes_and_none_outlive_it():
+    """A call that forks 100 sleeping children gets at most `processes` - 1 of them (itself counts), and none is
+    left once the call has answered."""
+    code = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(60)\n            os._exit(0)\n        n += 1\n    except OSError:\n        break\n"
+            "print(n)")
+    before = set(sandbox_processes())
+    result, _ = call(code)
+    assert result.status == "ok" and 0 < int(result.text) < LIMITS.processes, result
+    assert set(sandbox_processes()) <= before
