@@ -139,3 +139,89 @@ def test_a_call_starts_at_most_its_processes_and_none_outlive_it():
     result, _ = call(code)
     assert result.status == "ok" and 0 < int(result.text) < LIMITS.processes, result
     assert set(sandbox_processes()) <= before
+
+
+TOOLS_FILE = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def weird() -> dict:
+    """A value JSON cannot hold."""
+    return {"x": float("nan")}
+
+
+def no_doc(a: int) -> int:
+    return a
+
+
+def no_hints(a):
+    """Echo.
+
+    Args:
+        a: anything
+    """
+    return a
+'''
+
+
+@pytest.mark.fast
+def test_tools_load_with_their_schemas_and_bad_ones_are_refused_in_one_line(tmp_path):
+    """--tools FILE.py:NAME,...: functions with hints and docstrings load with transformers' JSON schema (sandbox.py's
+    `python` among them); a file that does not load, a missing name, a function without a docstring or hints are
+    refused in one line naming it."""
+    import tools
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS_FILE)
+    add, python = tools.load(f"{path}:add,python")
+    assert tools.schema(add)["function"]["parameters"]["properties"] == {
+        "a": {"type": "integer", "description": "the first"}, "b": {"type": "integer", "description": "the second"}}
+    assert python is sandbox.python and python.run_apart and not getattr(add, "run_apart", False)
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    for spec, words in ((f"{tmp_path}/broken.py:f", "does not load"), (f"{path}:subtract", "no function 'subtract'"),
+                        (f"{path}:no_doc", "no_doc"), (f"{path}:no_hints", "no_hints"), (str(path), "FILE.py:NAME")):
+        with pytest.raises(ValueError, match=words) as e:
+            tools.load(spec)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.fast
+def test_calls_are_parsed_from_the_hermes_form_and_bad_ones_answered_with_an_error(tmp_path):
+    """The Hermes / Qwen 2.5 form: each <tool_call>{json}</tool_call> is a call; malformed JSON, a call without a
+    name or with arguments that are not an object, a call to a tool that does not exist and arguments of the wrong
+    types each come back as an error text; a thousand calls in one response run the first `max_calls` and answer the
+    rest with one error."""
+    import tools
+    from transformers import AutoTokenizer
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS_FILE)
+    loaded = tools.load(f"{path}:add,weird")
+    tokenizer = AutoTokenizer.from_pretrained(__import__("real_models").tokenizer_dir("qwen2"))
+    call = lambda body: f"<tool_call>\n{body}\n</tool_call>"  # noqa: E731
+    text = ("Let me add. " + call('{"name": "add", "arguments": {"a": 2, "b": 3}}') + call("{not json}")
+            + call('{"arguments": {}}') + call('{"name": "add", "arguments": "[1]"}')
+            + call('{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}'))
+    calls = tools.parse(tokenizer, text, "", [], max_calls=8)
+    assert [(c.name, c.arguments, c.error is None) for c in calls] == [
+        ("add", {"a": 2, "b": 3}, True), ("", {}, False), ("", {}, False), ("add", {}, False),
+        ("add", {"a": 1, "b": 1}, True)]
+    assert "not valid JSON" in calls[1].error and "\"name\"" in calls[2].error and "JSON object" in calls[3].error
+    results = [tools.run(loaded, c) for c in calls]
+    assert [r.text for r in (results[0], results[4])] == ["5", "2"]
+    assert all(r.status == "error" and r.text.startswith("error:") for r in results[1:4])
+    for c, words in ((tools.Call("subtract", {}), "no tool is named 'subtract'"),
+                     (tools.Call("add", {"a": "2", "b": 3}), "'a' must be integer, not str"),
+                     (tools.Call("add", {"a": True, "b": 3}), "'a' must be integer, not bool"),
+                     (tools.Call("add", {"a": 2}), "'b' is missing"),
+                     (tools.Call("add", {"a": 2, "b": 3, "c": 4}), "no argument 'c'"),
+                     (tools.Call("weird", {}), "JSON cannot hold")):
+        result = tools.run(loaded, c)
+        assert result.status == "error" and words in result.text, (c, result)
+    many = tools.parse(tokenizer, call('{"name": "add", "arguments": {"a": 1, "b": 2}}') * 1000, "", [], max_calls=4)
+    assert len(many) == 5 and all(c.error is None for c in many[:4]) and "996 more tool calls" in many[4].error
