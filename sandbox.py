@@ -22,9 +22,9 @@ then, before the call, the process closes itself (every step below that this mac
 (1) RLIMIT_NPROC in a new user namespace, which counts only the call's processes (kernel >= 5.14); root is exempt
 from it, so as root only the cgroup caps processes. (2) Unprivileged user namespaces enabled (most distributions).
 (3) Landlock in the kernel (`/sys/kernel/security/lsm` lists it): files from 5.13, TCP from 6.7, signals from 6.12.
-`held()` says which of these hold on the machine it runs on. A call that breaks a limit, raises, times out,
-returns what JSON cannot hold or passes arguments of the wrong types returns an error text for the model: the
-caller goes on.
+`held()` says which of these hold on the machine it runs on, `can_hold()` which its kernel allows. A call that
+breaks a limit, raises, times out, returns what JSON cannot hold or passes arguments of the wrong types returns an
+error text for the model: the caller goes on.
 """
 import ctypes
 import dataclasses
@@ -263,6 +263,20 @@ def held():
     if cgroup:
         os.rmdir(cgroup)
     return set(steps) | ({"processes"} if cgroup or os.geteuid() != 0 and "network namespace" in steps else set())
+
+
+def can_hold():
+    """What this machine lets a process close, asked of the kernel directly (not through close_in): Landlock's ABI,
+    a new user and network namespace, and a cap on processes (a pids cgroup, or a user other than root)."""
+    abi = landlock_abi()
+    namespaces = subprocess.run([sys.executable, "-I", "-c", "import ctypes, sys\n"
+                                 "sys.exit(ctypes.CDLL(None).unshare(0x10000000 | 0x40000000) != 0)"]).returncode == 0
+    cgroup = pids_cgroup(1)
+    if cgroup:
+        os.rmdir(cgroup)
+    return {step for step, ok in (("files", abi >= 1), ("tcp", abi >= 4), ("signals", abi >= 6),
+                                  ("network namespace", namespaces),
+                                  ("processes", cgroup or os.geteuid() != 0 and namespaces)) if ok}
 
 
 def _held():

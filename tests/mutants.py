@@ -22,7 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MUTATED = ("ppo.py", "gae.py", "adapters.py")
+MUTATED = ("ppo.py", "gae.py", "adapters.py", "sandbox.py", "tools.py")
 # (name, file, the text as it is, the text as the bug has it): each text occurs exactly once in its file
 MUTANTS = [
     # temperature: every log-prob and the entropy come from logits / T
@@ -396,6 +396,13 @@ MUTANTS = [
      "dtype=torch.float32) for k in keys]).double()"),
     ("reference-loaded-at-beta-0", "ppo.py", "return args.kl_coef == 0 and not args.unread_reference", "return False"),
     ("adamw-never-fused", "ppo.py", "fused=kernel or None)", "fused=None)"),
+    # issue 64: the sandbox for tool calls, and the calls (tests/test_tools.py)
+    ("tool-call-not-closed-in", "sandbox.py", '    HELD.extend(close_in(os.getcwd(), request["limits"]))\n', ""),
+    ("tool-processes-uncapped-as-root", "sandbox.py", "    group = pids_cgroup(limits.processes)",
+     "    group = None"),  # (root is exempt from RLIMIT_NPROC: the cgroup is its only cap)
+    ("tool-arguments-unchecked", "tools.py",
+     '    wrong = argument_error(schema(fn)["function"]["parameters"], call.arguments)', "    wrong = None"),
+    ("tool-calls-uncapped", "tools.py", "    if len(calls) > max_calls:", "    if False:"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
 
@@ -403,7 +410,7 @@ NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::tes
 def scratch_copy():
     root = tempfile.mkdtemp(prefix="mutants_")
     for name in ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "toy.py", "chain.py", "guess.py", "bench.py",
-                 "smollm2.py", "README.md"):
+                 "smollm2.py", "sandbox.py", "tools.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), root)
     shutil.copytree(os.path.join(ROOT, "docs"), os.path.join(root, "docs"))
     shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),

@@ -10,7 +10,7 @@ import pytest
 import sandbox
 
 SANDBOX = sandbox.__file__  # its `python` tool: runs the model's code
-HELD = sandbox.held()  # what this machine lets a process close (sandbox.py's table): a step it lacks is skipped
+HELD = sandbox.can_hold()  # what this machine lets a process close (sandbox.py's table): a step it lacks is skipped
 LIMITS = sandbox.Limits(wall_s=4, cpu_s=2, memory_mb=512, processes=8, output_bytes=4096)
 
 
@@ -43,6 +43,7 @@ def test_a_call_runs_clean_in_a_folder_of_its_own_that_is_removed_after():
     assert files == ["note.txt"] and note == "kept" and not secret
     assert not os.path.exists(folder)
     assert sandbox.run(SANDBOX, "python", {"code": "print(6 * 7)"}).text == "42\n"
+    assert sandbox.held() == HELD  # a call takes every step this machine allows
 
 
 def needs(*steps):
@@ -76,6 +77,7 @@ def test_a_hostile_call_is_contained_and_reported(name):
     assert set(sandbox_processes()) <= before  # nothing it started outlives the call (the fork bomb's children)
 
 
+@pytest.mark.fast
 @needs("files")
 def test_a_call_reads_and_writes_nothing_outside_its_folder(tmp_path):
     """The run's own files (this repository's), the user's home and any other folder are closed to it, for reading,
@@ -109,6 +111,7 @@ def test_what_a_tool_returns_or_is_called_with_wrongly_is_an_error_text(tmp_path
         assert result.status == "error" and word in result.text, result
 
 
+@pytest.mark.fast
 @needs("network namespace")
 def test_a_call_reaches_no_network():
     """A TCP server and a UDP socket listening on this machine's loopback: the call can neither connect to the one
@@ -128,6 +131,7 @@ def test_a_call_reaches_no_network():
             udp.recv(16)
 
 
+@pytest.mark.fast
 @needs("processes")
 def test_a_call_starts_at_most_its_processes_and_none_outlive_it():
     """A call that forks 100 sleeping children gets at most `processes` - 1 of them (itself counts), and none is
