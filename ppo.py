@@ -140,7 +140,7 @@ class Args:
     max_prompt_length: int = 128
     """the most prompt tokens"""
     truncate_prompts: bool = False
-    """cut longer prompts to their last --max-prompt-length tokens (and count them) instead of refusing"""
+    """keep a longer prompt's last --max-prompt-length tokens (and count them; else refused)"""
     dataset_options: OptStr = None
     """reasoning-gym:NAME's generator options as JSON: '{"max_terms": 2}' (None: the task's own)"""
     answer_format: Literal["tag", "raw", "number"] = "tag"
@@ -220,7 +220,7 @@ class Args:
     micro_batch_size: OptInt = None
     """rollouts per forward and backward on a rank, memory only (None: a rank's whole minibatch)"""
     micro_batch_tokens: OptInt = None
-    """instead: micro-batches of rows sorted by length, each at most this many padded tokens (veRL; None = off)"""
+    """instead: length-sorted micro-batches of at most this many padded tokens (veRL; None = off)"""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     """ppo clips each token's ratio; gspo each response's (Zheng et al. 2025); cispo the weight, detached (MiniMax)"""
     clip_eps: OptFloat = None
@@ -242,13 +242,13 @@ class Args:
     target_kl: OptFloat = None
     """stop the epochs at a minibatch approx-KL above this (CleanRL; None = off)"""
     critic_warmup_updates: int = 0
-    """updates that train only the critic before the policy moves (VAPO's value pre-training)"""
+    """updates training only the critic before the policy moves (VAPO)"""
     ptx_coef: float = 0.0
     """PPO-ptx (InstructGPT): weight of an LM loss on --ptx-dataset (0 = off)"""
     ptx_dataset: OptStr = None
     """PPO-ptx's texts, a file with a `text` column (None: the toy's SFT corpus, else none)"""
     fused_adamw: bool = True
-    """AdamW's fused kernel where torch has one for the device (else the unfused one; the log says which)"""
+    """AdamW's fused kernel where the device has one (the log says which)"""
     max_grad_norm: float = 1.0
     """clip each model's gradient norm to this (0 = off)"""
     anneal_lr: bool = True
@@ -269,6 +269,10 @@ class Args:
     """the most tokens after the first observation (None: max_turns x response_length + 64 per observation)"""
     gae_across_observations: bool = True
     """--env: GAE's trace runs on over observations (False, an ablation: it restarts at each turn's end)"""
+    tools: OptStr = None
+    """FILE.py:NAME[,NAME...]: functions the model may call via its chat template (None: none)"""
+    max_tool_calls: int = 8
+    """--tools: the most calls an episode runs (it ends at a response calling none)"""
 
     # LoRA (peft)
     lora_rank: int = 0
@@ -342,6 +346,8 @@ class Args:
     debug: bool = False
     """show Python tracebacks instead of one-line errors"""
 
+    episodes = property(lambda self: f"--tools {self.tools}" if self.tools else f"--env {self.env}")  # (in errors)
+
     def fill_defaults(self, world):
         """The defaults that depend on other flags, each as its flag's help states it (config.json holds the result)."""
         if self.model == "guess":  # the multi-turn world's env and limits
@@ -354,7 +360,7 @@ class Args:
             self.reward_fn = "chain:reward"  # the chain world's verifiable reward
         if (self.dataset or "").startswith("reasoning-gym:") and self.reward_model is None and self.reward_fn is None:
             self.reward_fn = "reasoning-gym"  # the task's own score_answer (`reasoning_gym_reward`, adapters.py)
-        self.max_turns = self.max_turns or 1
+        self.max_turns = self.max_turns or (self.max_tool_calls + 1 if self.tools else 1)  # (--tools: and the answer)
         if self.max_episode_tokens is None:  # the turns, and room for an observation between two
             self.max_episode_tokens = self.max_turns * self.response_length + (self.max_turns - 1) * 64
         if self.kl_estimator is None:  # k1 is unbiased in the reward; in the loss its gradient has no reference
@@ -1262,12 +1268,14 @@ def open_or_empty(path):
 
 def check_args(args, world):
     """Every check that reads only the flags and the world size; returns a rank's rollouts per update, the updates."""
-    env = args.env or args.model == "guess"  # (the guess world brings its env)
+    env = args.env or args.model == "guess" or args.tools  # (the guess world brings its env; tools.py is one)
+    if args.tools and (args.env or args.model == "guess" or not args.reward_fn):
+        fail("--tools plays episodes of its own, scored by --reward-fn on the last answer: no --env; add --reward-fn")
     if args.max_turns is not None and args.max_turns > 1 and not env:
         fail(f"--max-turns {args.max_turns} needs --env: without an environment nothing answers between turns")
     if args.max_episode_tokens is not None and not env:
         fail("--max-episode-tokens needs --env (a single response's limit is --response-length)")
-    if env and (args.reward_fn or args.reward_model):
+    if env and (args.reward_fn and not args.tools or args.reward_model):
         fail("--env gives the rewards: --reward-fn and --reward-model with it are not supported yet")
     if args.policy_loss == "cispo" and (args.clip_eps is not None or args.clip_eps_high is not None):
         fail("--policy-loss cispo clips the importance weight, at --cispo-cap; --clip-eps(-high) do nothing with it")
@@ -1561,6 +1569,12 @@ def load_models(args, device, log):
         except ValueError as e:
             fail(str(e))
     tokenizer = load_tokenizer(policy_path, "--model", args, padding_side="left")
+    if args.tools:  # tools.py's episodes, scored on the final answer; every chat rendered carries the tools' schemas
+        import tools  # (and sandbox.py: a fork without --tools needs neither)
+        env = tools.episodes(args, tokenizer, fail, lambda p, t, c, fn=reward_fn: args.reward_fn_weight *
+                             reward_fn_scores(fn, args, [p], [t], c, "cpu")[0].item())
+        reward_fn, tokenizer.apply_chat_template = None, lambda *a, render=tokenizer.apply_chat_template, **k: render(
+            *a, tools=env.schemas, **k)
     rm_tokenizer = None  # None: the RM reads the policy's tokens directly
     if reward_path is not None:
         rm_tokenizer = load_tokenizer(reward_path, "--reward-model", args)
@@ -1836,10 +1850,10 @@ def load_prompt_rows(args, env=None, log=print):
     """Training and evaluation rows (dicts: the prompt, other columns), apart (`hold_out`) but in closed worlds."""
     if args.dataset is None and env is not None:  # the env's own rows
         if not callable(getattr(env, "rows", None)):
-            fail(f"--env {args.env} has no rows: pass --dataset, or give the class a static rows(n, seed)")
+            fail(f"{args.episodes} has no rows: pass --dataset, or give the class a static rows(n, seed)")
         rows = [env_call(args, 0, env.rows, n, seed) for n, seed in ((2048, 1234), (args.eval_size, 4321))]
         if not all(isinstance(r, list) and all(isinstance(x, dict) for x in r) for r in rows) or not rows[0]:
-            fail(f"--env {args.env}: rows(n, seed) must return a non-empty list of dicts")
+            fail(f"{args.episodes}: rows(n, seed) must return a non-empty list of dicts")
         return rows
     if args.dataset is None:  # a built-in world's prompts (the toy's for any other --model)
         world = importlib.import_module(args.model if args.model in WORLDS else "toy")
@@ -2054,7 +2068,7 @@ def play(env_class, policy, tokenizer, rows, seeds, device, args, greedy=False, 
                 stop_id = turn_ids[-1] if turn_ids[-1] in stop_ids else None
                 obs_ids = observation_ids(tokenizer, chats[i], text, observation, stop_id, args, turn)
                 if len(obs_ids) >= cap:
-                    fail(f"--env {args.env}: the observation after turn {turn} is {len(obs_ids)} tokens, no room left "
+                    fail(f"{args.episodes}: the observation after turn {turn} is {len(obs_ids)} tokens, no room left "
                          f"in --max-episode-tokens {cap}: raise it, or shorten the observations")
                 over[i] = (len(ids[i]) + len(obs_ids) >= cap  # no room for the next turn: cut here
                            or len(prompts[i]) + len(ids[i]) + len(obs_ids) + args.response_length > context)
@@ -2081,9 +2095,9 @@ def env_call(args, turn, method, *a):
     try:
         return method(*a)
     except Exception as e:
-        if args.debug:
+        if args.debug or isinstance(e, UsageError):  # (one line already: --tools' reward function's)
             raise
-        fail(f"--env {args.env}: {method.__name__}() raised {type(e).__name__} on turn {turn}: {reason(e)} (fix the "
+        fail(f"{args.episodes}: {method.__name__}() raised {type(e).__name__} on turn {turn}: {reason(e)} (fix the "
              "env; --debug shows the traceback)")
 
 
@@ -2092,7 +2106,7 @@ def check_observation(observation, args, where):
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in observation)):
         return
-    fail(f"--env {args.env}: {where} the observation {observation!r:.60}: return a string or a non-empty list of "
+    fail(f"{args.episodes}: {where} the observation {observation!r:.60}: return a string or a non-empty list of "
          "chat messages {'role': str, 'content': str}")
 
 
@@ -2101,12 +2115,12 @@ def env_step(args, env, action_text, turn):
     out = env_call(args, turn, env.step, action_text)
     where = f"step() on turn {turn} returned"
     if not (isinstance(out, tuple) and len(out) == 3):
-        fail(f"--env {args.env}: {where} {out!r:.60}: return a tuple (observation, reward, done)")
+        fail(f"{args.episodes}: {where} {out!r:.60}: return a tuple (observation, reward, done)")
     observation, reward, done = out
     if not isinstance(reward, (int, float, np.number, np.bool_)) or not math.isfinite(reward):
-        fail(f"--env {args.env}: {where} the reward {reward!r:.40}: return a finite number")
+        fail(f"{args.episodes}: {where} the reward {reward!r:.40}: return a finite number")
     if not isinstance(done, (bool, np.bool_)):
-        fail(f"--env {args.env}: {where} done = {done!r:.40}: return True or False")
+        fail(f"{args.episodes}: {where} done = {done!r:.40}: return True or False")
     if not done:  # (the observation of a finished episode is never read)
         check_observation(observation, args, where)
     return observation, float(reward), bool(done)
@@ -2116,16 +2130,16 @@ def first_observation(tokenizer, observation, args):
     """reset()'s observation as prompt ids, and the chat so far (None for raw text; a string is a user message)."""
     check_observation(observation, args, "reset() returned")
     if not tokenizer.chat_template and not isinstance(observation, str):
-        fail(f"--env {args.env}: reset() returned chat messages; the tokenizer has no chat template: return a string")
+        fail(f"{args.episodes}: reset() returned chat messages; the tokenizer has no chat template: return a string")
     chat = None
     if tokenizer.chat_template:
         chat = [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
     try:
         ids = render_prompt(tokenizer, observation if chat is None else chat)
     except Exception as e:  # a template that refuses these messages (roles that must alternate, say)
-        fail(f"--env {args.env}: the chat template cannot render reset()'s observation ({reason(e)})")
+        fail(f"{args.episodes}: the chat template cannot render reset()'s observation ({reason(e)})")
     if not 0 < len(ids) <= args.max_prompt_length:
-        fail(f"--env {args.env}: reset()'s observation is {len(ids)} tokens: it must be 1 to --max-prompt-length "
+        fail(f"{args.episodes}: reset()'s observation is {len(ids)} tokens: it must be 1 to --max-prompt-length "
              f"{args.max_prompt_length}")
     return chat, ids
 
@@ -2137,7 +2151,7 @@ def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, tu
     """The ids appended after an agent turn: raw text tokenized alone, or what the chat template adds. `chat` grows."""
     if chat is None:
         if not isinstance(observation, str):
-            fail(f"--env {args.env}: step() on turn {turn} returned chat messages, but the tokenizer has no chat "
+            fail(f"{args.episodes}: step() on turn {turn} returned chat messages, but the tokenizer has no chat "
                  "template: return a string")
         return tokenizer(observation, add_special_tokens=False).input_ids
     role = "tool" if re.search(r"""["']tool["']""", tokenizer.chat_template) else "user"
@@ -2149,10 +2163,10 @@ def observation_ids(tokenizer, chat, action_text, observation, stop_id, args, tu
             for m, g in ((chat, True), (chat + said, False), (chat + said + new, True), (chat + turn_mark, False),
                          (chat + turn_mark + new, True)))
     except Exception as e:
-        fail(f"--env {args.env}: the chat template cannot render the observation of turn {turn} ({reason(e)})")
+        fail(f"{args.episodes}: the chat template cannot render the observation of turn {turn} ({reason(e)})")
     if not (with_text.startswith(before) and after_text.startswith(with_text) and with_turn.startswith(before)
             and after.startswith(with_turn) and MARK in with_turn[len(before):]):
-        fail(f"--env {args.env}: the chat template rewrites earlier turns (e.g. drops their reasoning), so the "
+        fail(f"{args.episodes}: the chat template rewrites earlier turns (e.g. drops their reasoning), so the "
              f"episode's tokens would not be what the model sees on turn {turn + 1}: use a template that only appends")
     end = with_turn[with_turn.index(MARK, len(before)) + len(MARK):]  # the template's end of an assistant turn
     stop_text = tokenizer.decode([stop_id]) if stop_id is not None else ""
@@ -2589,7 +2603,10 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         row.update({"rollout/corrected_tokens": masked_mean(rollout.corrected, mask).item(),
                     "rollout/corrected_responses": rollout.corrected.amax(1).mean().item(),
                     "rollout/is_weight_mean": masked_mean(rollout.is_weights, rollout.kept).item()})
-    if args.env is not None:  # turns per episode (the env's steps), and per success
+    if args.tools:  # this rank's calls since the last row (reduce_row's mean: per rank)
+        import tools
+        row.update({f"tools/{k}": float(tools.COUNTS.pop(k, 0)) for k in ("calls", "errors", "timeouts")})
+    if args.env is not None or args.tools:  # turns per episode (the env's steps), and per success
         turns = rollout.turn_ends.sum(1)  # (B,)
         ended = rollout.has_eos.float()  # (B,): sums over all ranks, whose counts of ended episodes differ
         n_ended, turns_ended = global_sum(torch.stack([ended.sum(), (turns * ended).sum()])).tolist()

@@ -6,6 +6,7 @@ its output, and each call run, apart in sandbox.py where the tool runs code. Plu
     calls = parse(tokenizer, text, prefix, schemas, max_calls=8)    # the model's calls, or an error for each bad one
     results = [run(tools, call) for call in calls]                  # each a sandbox.Result: its text goes back
 """
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import re
 import sandbox
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes / Qwen 2.5's form of a call
+COUNTS = collections.Counter()  # --tools: the calls, errors and timeouts since ppo.py last logged them
 JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool, "array": list, "object": dict,
               "null": type(None)}
 
@@ -146,3 +148,37 @@ def argument_error(parameters, arguments):
                              for k in kinds if k in JSON_TYPES):
             return f"the argument {name!r} must be {' or '.join(kinds)}, not {type(value).__name__} {value!r}"[:300]
     return None
+
+
+def episodes(args, tokenizer, fail, score):
+    """--tools' episodes, an --env class for ppo.py's `play`: the row's prompt; then each response's calls run and
+    their results appended as tool messages (the template renders them; off the loss, in the critic's context), until
+    a response calls nothing or --max-tool-calls calls have run; then `score(prompt, that response, columns)`. Bad
+    input is `fail`'s one line."""
+    try:
+        loaded = load(args.tools)
+    except ValueError as e:
+        fail(str(e))
+    if "tools" not in (tokenizer.chat_template or ""):
+        fail(f"--tools: the chat template of --model {args.model} never reads `tools`, so the model would "
+                         "not see them: use a model whose template takes tools")
+    schemas, limits = [schema(t) for t in loaded], sandbox.Limits()
+
+    class Episode:
+        def reset(self, row, seed):
+            self.row, self.calls = row, 0
+            return row["prompt"]
+
+        def step(self, text):
+            calls = parse(tokenizer, text, "", schemas, args.max_tool_calls - self.calls)
+            if not calls or self.calls >= args.max_tool_calls:  # the answer
+                columns = {k: [v] for k, v in self.row.items() if k not in ("prompt", args.prompt_column)}
+                return None, score(self.row["prompt"], text, columns), True
+            results = [run(loaded, c, limits) for c in calls]
+            self.calls += len(calls)
+            COUNTS.update(calls=len(calls), errors=sum(r.status != "ok" for r in results),
+                                  timeouts=sum(r.status == "timeout" for r in results))
+            return [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(calls, results)], 0.0, False
+
+    Episode.schemas = schemas
+    return Episode

@@ -74,6 +74,6 @@ def test_every_args_field_is_read():
     args = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Args")
     fields = [n.target.id for n in args.body if isinstance(n, ast.AnnAssign)]
     assert len(fields) > 20
-    src += open("adapters.py").read()  # (the glue to optional libraries reads a few: --vllm's engine)
+    src += open("adapters.py").read() + open("tools.py").read()  # (the glue reads a few: --vllm's, --tools')
     unread = [f for f in fields if not re.search(rf"args\.{f}\b", src)]
     assert not unread, f"flags that do nothing: {unread}"

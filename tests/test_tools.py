@@ -1,5 +1,6 @@
 """The sandbox for tool calls (issue 64, item 2-3: sandbox.py): hostile calls, each contained within its limits and
 reported in the tool's result, with this process (the trainer's place) and its files untouched."""
+import functools
 import os
 import socket
 import subprocess
@@ -229,3 +230,88 @@ def test_calls_are_parsed_from_the_hermes_form_and_bad_ones_answered_with_an_err
         assert result.status == "error" and words in result.text, (c, result)
     many = tools.parse(tokenizer, call('{"name": "add", "arguments": {"a": 1, "b": 2}}') * 1000, "", [], max_calls=4)
     assert len(many) == 5 and all(c.error is None for c in many[:4]) and "996 more tool calls" in many[4].error
+
+
+# a ChatML template that takes tools, written here (the four tokenizers of tests/tokenizers ship none that does)
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
+    "The tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ANSWER_FN = '''
+def exact(prompts, responses, answer):
+    """1 where the response's last word is the answer."""
+    return [float(bool(r.split()) and r.split()[-1] == a) for r, a in zip(responses, answer)]
+'''
+
+
+@pytest.fixture(scope="module")
+def tool_files(tmp_path_factory):
+    """A tiny chat model on Qwen2's real tokenizer with TOOL_TEMPLATE, a tools file, a reward and a prompt set."""
+    import json
+    import shutil
+    import real_models
+    from transformers import AutoTokenizer
+    root = tmp_path_factory.mktemp("tools")
+    shutil.copytree(real_models.build("qwen2"), root / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(root / "policy")
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(root / "policy")
+    (root / "my_tools.py").write_text(TOOLS_FILE)
+    (root / "reward.py").write_text(ANSWER_FN)
+    with open(root / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                     for a in range(10) for b in range(10))
+    return root
+
+
+@pytest.mark.fast
+def test_an_episode_runs_the_calls_and_the_template_renders_their_results(tool_files):
+    """tools.episodes as ppo.py plays it: the schemas in the rendered prompt; a response with a call gets the tool's
+    result back as a tool message, appended as the chat template renders it after the sampled turn; a response
+    without a call ends the episode with the task's score of that answer; the calls are counted."""
+    import ppo
+    import tools
+    from transformers import AutoTokenizer
+    args = ppo.Args(model=str(tool_files / "policy"), tools=f"{tool_files}/my_tools.py:add",
+                    reward_fn=f"{tool_files}/reward.py:exact", dataset=str(tool_files / "prompts.jsonl"),
+                    max_prompt_length=256)  # (the tools' schemas take room)
+    ppo.check_args(args, 1)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    Episode = tools.episodes(args, tokenizer, ppo.fail, lambda p, t, c: float(t.split()[-1] == c["answer"][0]))
+    tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, tools=Episode.schemas)  # (ppo's)
+    env = Episode()
+    chat, prompt = ppo.first_observation(tokenizer, env.reset({"prompt": "What is 2 + 3?", "answer": "5"}, 0), args)
+    assert '"name": "add"' in tokenizer.decode(prompt) and tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+    tools.COUNTS.clear()
+    said = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    observation, reward, done = env.step(said)
+    assert observation == [{"role": "tool", "name": "add", "content": "5"}] and (reward, done) == (0.0, False)
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")  # the sampled turn ended with it
+    ids = ppo.observation_ids(tokenizer, chat, said, observation, stop, args, 1)
+    assert tokenizer.decode(ids) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
+                                   "<|im_start|>assistant\n"
+    assert env.step("It is 5") == (None, 1.0, True) and tools.COUNTS == {"calls": 1, "errors": 0, "timeouts": 0}
+
+
+def test_a_run_with_tools_trains_and_refuses_what_it_cannot_do(tool_files, monkeypatch):
+    """ppo.py --tools on the tiny Qwen2 chat model, GAE with the critic: the prompts the model is given carry the
+    tools' schemas, the run logs tools/calls and env/turns; --tools with --env, without --reward-fn, or on a model
+    whose template takes no tools is refused in one line."""
+    import ppo
+    from test_in_process import run_main
+    from test_less_work import rollouts_logged
+    seen = rollouts_logged(monkeypatch)
+    flags = dict(model=str(tool_files / "policy"), tools=f"{tool_files}/my_tools.py:add,python",
+                 reward_fn=f"{tool_files}/reward.py:exact", dataset=str(tool_files / "prompts.jsonl"),
+                 response_length=16, max_tool_calls=2, eval_size=8, micro_batch_size=8, max_prompt_length=256)
+    rows = run_main("test_tools_run", total_episodes=16, batch_size=8, **flags)
+    assert len(rows) == 2 and all(r["tools/calls"] >= 0 and 1 <= r["env/turns"] <= 3 for r in rows)
+    prompt = ppo.AutoTokenizer.from_pretrained(flags["model"]).decode(seen[0].query_responses[0])
+    assert '"name": "add"' in prompt and '"name": "python"' in prompt
+    for bad, words in ((dict(env="tests/envs.py:Replies"), "no --env"), (dict(reward_fn=None), "add --reward-fn"),
+                       (dict(model="toy"), "never reads `tools`")):
+        with pytest.raises(ppo.UsageError, match=words) as e:
+            run_main("test_tools_bad", **{**flags, **bad})
+        assert "\n" not in str(e.value)
