@@ -258,11 +258,8 @@ HELD = []  # (in a call's process: the steps of close_in that held)
 def held():
     """The steps of close_in that hold on this machine (read by a call), and "processes" where a cap on them holds:
     a pids cgroup, or RLIMIT_NPROC for a user other than root in a new user namespace."""
-    steps = json.loads(run(__file__, "_held", {}).text)
-    cgroup = pids_cgroup(1)
-    if cgroup:
-        os.rmdir(cgroup)
-    return set(steps) | ({"processes"} if cgroup or os.geteuid() != 0 and "network namespace" in steps else set())
+    steps = set(json.loads(run(__file__, "_held", {}).text))
+    return steps | ({"processes"} if process_cap("network namespace" in steps) else set())
 
 
 def can_hold():
@@ -271,12 +268,17 @@ def can_hold():
     abi = landlock_abi()
     namespaces = subprocess.run([sys.executable, "-I", "-c", "import ctypes, sys\n"
                                  "sys.exit(ctypes.CDLL(None).unshare(0x10000000 | 0x40000000) != 0)"]).returncode == 0
+    return {step for step, ok in (("files", abi >= 1), ("tcp", abi >= 4), ("signals", abi >= 6),
+                                  ("network namespace", namespaces), ("processes", process_cap(namespaces))) if ok}
+
+
+def process_cap(namespaces):
+    """Whether a call's processes are capped: a pids cgroup this process may make, or RLIMIT_NPROC, which holds in a
+    new user namespace for a user other than root."""
     cgroup = pids_cgroup(1)
     if cgroup:
         os.rmdir(cgroup)
-    return {step for step, ok in (("files", abi >= 1), ("tcp", abi >= 4), ("signals", abi >= 6),
-                                  ("network namespace", namespaces),
-                                  ("processes", cgroup or os.geteuid() != 0 and namespaces)) if ok}
+    return bool(cgroup) or os.geteuid() != 0 and namespaces
 
 
 def _held():

@@ -47,7 +47,7 @@ def load(spec):
         if not callable(fn):
             raise ValueError(f"--tools {path} has no function {name!r}")
         try:
-            schema(fn)
+            fn.schema = schema(fn)  # (read by the template and by each call's argument check)
         except Exception as e:  # transformers' DocstringParsingException, TypeHintParsingException
             raise ValueError(f"--tools {path}:{name}: {str(e).splitlines()[0]} (a tool needs type hints and a "
                              "docstring with an Args: line for each argument)") from None
@@ -114,7 +114,7 @@ def run(tools, call, limits=sandbox.Limits()):
     if fn is None:
         return sandbox.Result(f"error: no tool is named {call.name!r} (the tools: "
                               f"{', '.join(t.__name__ for t in tools)})", "error")
-    wrong = argument_error(schema(fn)["function"]["parameters"], call.arguments)
+    wrong = argument_error(fn.schema["function"]["parameters"], call.arguments)
     if wrong:
         return sandbox.Result(f"error: {call.name}: {wrong}", "error")
     if getattr(fn, "run_apart", False):
@@ -162,7 +162,7 @@ def episodes(args, tokenizer, fail, score):
     if "tools" not in (tokenizer.chat_template or ""):
         fail(f"--tools: the chat template of --model {args.model} never reads `tools`, so the model would "
                          "not see them: use a model whose template takes tools")
-    schemas, limits = [schema(t) for t in loaded], sandbox.Limits()
+    schemas, limits = [t.schema for t in loaded], sandbox.Limits()
 
     class Episode:
         def reset(self, row, seed):

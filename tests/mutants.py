@@ -401,7 +401,7 @@ MUTANTS = [
     ("tool-processes-uncapped-as-root", "sandbox.py", "    group = pids_cgroup(limits.processes)",
      "    group = None"),  # (root is exempt from RLIMIT_NPROC: the cgroup is its only cap)
     ("tool-arguments-unchecked", "tools.py",
-     '    wrong = argument_error(schema(fn)["function"]["parameters"], call.arguments)', "    wrong = None"),
+     '    wrong = argument_error(fn.schema["function"]["parameters"], call.arguments)', "    wrong = None"),
     ("tool-calls-uncapped", "tools.py", "    if len(calls) > max_calls:", "    if False:"),
 ]
 NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::test_every_args_field_is_read"]
