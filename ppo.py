@@ -1569,12 +1569,11 @@ def load_models(args, device, log):
         except ValueError as e:
             fail(str(e))
     tokenizer = load_tokenizer(policy_path, "--model", args, padding_side="left")
-    if args.tools:  # tools.py's episodes, scored on the final answer; every chat rendered carries the tools' schemas
+    if args.tools:  # tools.py's episodes, scored on the final answer; it has the tokenizer render the tools' schemas
         import tools  # (and sandbox.py: a fork without --tools needs neither)
         env = tools.episodes(args, tokenizer, fail, lambda p, t, c, fn=reward_fn: args.reward_fn_weight *
                              reward_fn_scores(fn, args, [p], [t], c, "cpu")[0].item())
-        reward_fn, tokenizer.apply_chat_template = None, lambda *a, render=tokenizer.apply_chat_template, **k: render(
-            *a, tools=env.schemas, **k)
+        reward_fn = None
     rm_tokenizer = None  # None: the RM reads the policy's tokens directly
     if reward_path is not None:
         rm_tokenizer = load_tokenizer(reward_path, "--reward-model", args)
@@ -2603,9 +2602,8 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         row.update({"rollout/corrected_tokens": masked_mean(rollout.corrected, mask).item(),
                     "rollout/corrected_responses": rollout.corrected.amax(1).mean().item(),
                     "rollout/is_weight_mean": masked_mean(rollout.is_weights, rollout.kept).item()})
-    if args.tools:  # this rank's calls since the last row (reduce_row's mean: per rank)
-        import tools
-        row.update({f"tools/{k}": float(tools.COUNTS.pop(k, 0)) for k in ("calls", "errors", "timeouts")})
+    if args.tools:  # this rank's calls since the last row (reduce_row's mean: per rank); tools.py, load_models' import
+        row.update(sys.modules["tools"].counts("tools/"))
     if args.env is not None or args.tools:  # turns per episode (the env's steps), and per success
         turns = rollout.turn_ends.sum(1)  # (B,)
         ended = rollout.has_eos.float()  # (B,): sums over all ranks, whose counts of ended episodes differ
@@ -2672,6 +2670,8 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     row = {name: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() / max(n_responses, 1)
            for name, v in sums.items()}
     row.update({f"eval/pass@{j + 1}": v / max(n_prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
+    if args.tools:  # the evaluation's calls, kept out of the next update's tools/ (reduce_row's mean: per rank)
+        row.update(sys.modules["tools"].counts("eval/tools/"))
     return row, samples
 
 

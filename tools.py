@@ -8,6 +8,7 @@ its output, and each call run, apart in sandbox.py where the tool runs code. Plu
 """
 import collections
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -16,7 +17,8 @@ import re
 import sandbox
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes / Qwen 2.5's form of a call
-COUNTS = collections.Counter()  # --tools: the calls, errors and timeouts since ppo.py last logged them
+COUNTS = collections.Counter()  # --tools: what counts() logs, since ppo.py last logged it
+KEYS = ("calls", "errors", "timeouts", "episodes", "called")  # (called: the episodes with a call that ran clean)
 JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool, "array": list, "object": dict,
               "null": type(None)}
 
@@ -150,11 +152,17 @@ def argument_error(parameters, arguments):
     return None
 
 
+def counts(prefix):
+    """The calls, errors (timeouts among them), timeouts, episodes ended, and episodes with a call that ran clean,
+    since the last time: ppo.py's tools/ metrics of each update and eval/tools/ of each evaluation."""
+    return {prefix + k: float(COUNTS.pop(k, 0)) for k in KEYS}
+
+
 def episodes(args, tokenizer, fail, score):
     """--tools' episodes, an --env class for ppo.py's `play`: the row's prompt; then each response's calls run and
     their results appended as tool messages (the template renders them; off the loss, in the critic's context), until
     a response calls nothing or --max-tool-calls calls have run; then `score(prompt, that response, columns)`. Bad
-    input is `fail`'s one line."""
+    input is `fail`'s one line. From here on the tokenizer renders every chat with the tools' schemas."""
     try:
         loaded = load(args.tools)
     except ValueError as e:
@@ -163,22 +171,23 @@ def episodes(args, tokenizer, fail, score):
         fail(f"--tools: the chat template of --model {args.model} never reads `tools`, so the model would "
                          "not see them: use a model whose template takes tools")
     schemas, limits = [t.schema for t in loaded], sandbox.Limits()
+    tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, tools=schemas)
 
     class Episode:
         def reset(self, row, seed):
-            self.row, self.calls = row, 0
+            self.row, self.calls, self.clean = row, 0, 0
             return row["prompt"]
 
         def step(self, text):
             calls = parse(tokenizer, text, "", schemas, args.max_tool_calls - self.calls)
             if not calls or self.calls >= args.max_tool_calls:  # the answer
+                COUNTS.update(episodes=1, called=int(self.clean > 0))
                 columns = {k: [v] for k, v in self.row.items() if k not in ("prompt", args.prompt_column)}
                 return None, score(self.row["prompt"], text, columns), True
             results = [run(loaded, c, limits) for c in calls]
-            self.calls += len(calls)
+            self.calls, self.clean = self.calls + len(calls), self.clean + sum(r.status == "ok" for r in results)
             COUNTS.update(calls=len(calls), errors=sum(r.status != "ok" for r in results),
                                   timeouts=sum(r.status == "timeout" for r in results))
             return [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(calls, results)], 0.0, False
 
-    Episode.schemas = schemas
     return Episode

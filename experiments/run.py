@@ -739,6 +739,49 @@ def smollm2_curve():
     return out
 
 
+TOOL_UPDATES = 10  # (SmolLM2's tool episodes take about 110 s an update here: a 580-token prompt, two turns)
+TOOL_FLAGS = ["--reward-fn", "smollm2.py:calc_reward", "--max-prompt-length", "768", "--adv-estimator", "grpo",
+              "--group-size", "4", "--batch-size", "16", "--micro-batch-size", "8", "--response-length", "48",
+              "--num-ppo-epochs", "1", "--num-minibatches", "2", "--learning-rate", "2e-5", "--eval-size", "64",
+              "--total-episodes", str(16 * TOOL_UPDATES), "--eval-every", str(TOOL_UPDATES)]
+
+
+def tool_arms():
+    """Issue 64's task arms: SmolLM2 with the calculator (model-tools, calc_tools.jsonl, --tools) and the same model
+    without it (its own template, calc.jsonl: the same questions, the worked examples answered without a call)."""
+    sys.path.insert(0, ROOT)
+    import smollm2
+    tools_model, with_calls, without = smollm2.build_tools(os.path.join(ROOT, smollm2.ROOT))
+    return {"tools": ["--model", tools_model, "--dataset", with_calls, "--tools", "smollm2.py:calculator",
+                      "--max-tool-calls", "2"],
+            "no_tools": ["--model", os.path.join(os.path.dirname(tools_model), "model"), "--dataset", without]}
+
+
+def tool_runs(seeds=(1,)):
+    """Issue 64: each arm evaluated before training (a learning rate of 1e-12 for one update) and after TOOL_UPDATES
+    updates, on the same 64 held-out questions: accuracy, and the share of episodes with a call that ran clean."""
+    for arm, flags in tool_arms().items():
+        def held_out(row):
+            called = row.get("eval/tools/called", 0.0) / row["eval/tools/episodes"] if arm == "tools" else 0.0
+            return {"accuracy": round(row["eval/score"], 4), "called": round(called, 4)}
+        if "before" not in json.load(open(os.path.join(HERE, "results.json"))).get("tools", {}).get(arm, {}):
+            name = f"exp_tools_{arm}_before"
+            before = override(TOOL_FLAGS, learning_rate="1e-12", total_episodes="16", eval_every="1")
+            rows, _ = train(name, *before, *flags)
+            trl_record("tools", arm, {"before": held_out(rows[-1])})
+        for seed in seeds:
+            rows, seconds = train(f"exp_tools_{arm}_s{seed}", *TOOL_FLAGS, *flags, "--seed", str(seed))
+            out = json.load(open(os.path.join(HERE, "results.json")))["tools"][arm]
+            per_update = [r["time/rollout_s"] + r["time/update_s"] for r in rows[1:]]
+            out[f"seed{seed}"] = {**held_out(rows[-1]), "seconds": round(seconds),
+                                  "s_per_update": round(float(np.median(per_update)), 1),
+                                  "scores": [round(r["objective/scores"], 4) for r in rows],
+                                  "called": [round(r.get("tools/called", 0) / r.get("tools/episodes", 1), 4)
+                                             for r in rows]}
+            trl_record("tools", arm, out)
+    return json.load(open(os.path.join(HERE, "results.json")))["tools"]
+
+
 def guess_world():
     """The multi-turn world with its default flags (`python ppo.py --model guess`), three seeds, one run at a
     time on both cores: success (the share of episodes the env ended: a right guess) against wall-clock
@@ -1643,14 +1686,14 @@ if __name__ == "__main__":
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
                      ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory),
-                     ("distill", distill_runs), ("distilltrl", distill_trl)):
+                     ("distill", distill_runs), ("distilltrl", distill_trl), ("tools", tool_runs)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)
             keys = {"trlspeed": "trlspeed52", "asyncspeed": "async54", "asynclearn": "async54_learning",
                     "ckpt": "ckpt55"}
             results[keys.get(name, name)] = result  # (issue 42's trlspeed kept beside it)
-            if name in ("distill", "distilltrl"):  # (recorded as they end)
+            if name in ("distill", "distilltrl", "tools"):  # (recorded as they end)
                 continue
             if name == "rgymagain":  # the held-out record, beside the figures measured before issue 38
                 results["rgym_heldout"] = results.pop(name)

@@ -1,6 +1,5 @@
 """The sandbox for tool calls (issue 64, item 2-3: sandbox.py): hostile calls, each contained within its limits and
 reported in the tool's result, with this process (the trainer's place) and its files untouched."""
-import functools
 import os
 import socket
 import subprocess
@@ -280,7 +279,6 @@ def test_an_episode_runs_the_calls_and_the_template_renders_their_results(tool_f
     ppo.check_args(args, 1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     Episode = tools.episodes(args, tokenizer, ppo.fail, lambda p, t, c: float(t.split()[-1] == c["answer"][0]))
-    tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, tools=Episode.schemas)  # (ppo's)
     env = Episode()
     chat, prompt = ppo.first_observation(tokenizer, env.reset({"prompt": "What is 2 + 3?", "answer": "5"}, 0), args)
     assert '"name": "add"' in tokenizer.decode(prompt) and tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
@@ -292,7 +290,12 @@ def test_an_episode_runs_the_calls_and_the_template_renders_their_results(tool_f
     ids = ppo.observation_ids(tokenizer, chat, said, observation, stop, args, 1)
     assert tokenizer.decode(ids) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
                                    "<|im_start|>assistant\n"
-    assert env.step("It is 5") == (None, 1.0, True) and tools.COUNTS == {"calls": 1, "errors": 0, "timeouts": 0}
+    assert env.step("It is 5") == (None, 1.0, True)
+    assert tools.counts("tools/") == {"tools/calls": 1, "tools/errors": 0, "tools/timeouts": 0, "tools/episodes": 1,
+                                      "tools/called": 1} and not tools.COUNTS
+    env.reset({"prompt": "What is 2 + 3?", "answer": "5"}, 0)  # a call that fails is not a call that ran clean
+    env.step('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'), env.step("5")
+    assert tools.counts("") == {"calls": 1, "errors": 1, "timeouts": 0, "episodes": 1, "called": 0}
 
 
 def test_a_run_with_tools_trains_and_refuses_what_it_cannot_do(tool_files, monkeypatch):
