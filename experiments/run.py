@@ -739,46 +739,66 @@ def smollm2_curve():
     return out
 
 
-TOOL_UPDATES = 10  # (SmolLM2's tool episodes take about 110 s an update here: a 580-token prompt, two turns)
-TOOL_FLAGS = ["--reward-fn", "smollm2.py:calc_reward", "--max-prompt-length", "768", "--adv-estimator", "grpo",
-              "--group-size", "4", "--batch-size", "16", "--micro-batch-size", "8", "--response-length", "48",
-              "--num-ppo-epochs", "1", "--num-minibatches", "2", "--learning-rate", "2e-5", "--eval-size", "64",
-              "--total-episodes", str(16 * TOOL_UPDATES), "--eval-every", str(TOOL_UPDATES)]
+TOOL_UPDATES = 10  # (SmolLM2's tool episodes take about 2 minutes an update here: a 580-token prompt, two turns)
 
 
-def tool_arms():
-    """Issue 64's task arms: SmolLM2 with the calculator (model-tools, calc_tools.jsonl, --tools) and the same model
-    without it (its own template, calc.jsonl: the same questions, the worked examples answered without a call)."""
-    sys.path.insert(0, ROOT)
+def tool_task(arm, seed, updates=TOOL_UPDATES):
+    """Issue 64's task as experiments/trl_grpo.py reads it, at its settings (docs/trl.md's mapping): SmolLM2 with the
+    calculator (model-tools, calc_tools.jsonl, --tools, two calls at most) or the same model without it (its own
+    template, calc.jsonl: the same questions, the worked examples answered without a call); 64 held-out questions."""
+    sys.path.insert(0, HERE), sys.path.insert(0, ROOT)
     import smollm2
+    import trl_grpo
     tools_model, with_calls, without = smollm2.build_tools(os.path.join(ROOT, smollm2.ROOT))
-    return {"tools": ["--model", tools_model, "--dataset", with_calls, "--tools", "smollm2.py:calculator",
-                      "--max-tool-calls", "2"],
-            "no_tools": ["--model", os.path.join(os.path.dirname(tools_model), "model"), "--dataset", without]}
+    data = (["--model", tools_model, "--dataset", with_calls, "--tools", "smollm2.py:calculator", "--max-tool-calls",
+             "2"] if arm != "no_tools" else ["--model", os.path.join(os.path.dirname(tools_model), "model"),
+                                             "--dataset", without])
+    return trl_grpo, trl_grpo.parser().parse_args([
+        *data, "--reward-fn", "smollm2.py:calc_reward", "--max-prompt-length", "768", "--response-length", "48",
+        "--eval-size", "64", "--updates", str(updates), "--seed", str(seed), "--out", ""])
 
 
-def tool_runs(seeds=(1,)):
-    """Issue 64: each arm evaluated before training (a learning rate of 1e-12 for one update) and after TOOL_UPDATES
-    updates, on the same 64 held-out questions: accuracy, and the share of episodes with a call that ran clean."""
-    for arm, flags in tool_arms().items():
-        def held_out(row):
-            called = row.get("eval/tools/called", 0.0) / row["eval/tools/episodes"] if arm == "tools" else 0.0
-            return {"accuracy": round(row["eval/score"], 4), "called": round(called, 4)}
-        if "before" not in json.load(open(os.path.join(HERE, "results.json"))).get("tools", {}).get(arm, {}):
-            name = f"exp_tools_{arm}_before"
-            before = override(TOOL_FLAGS, learning_rate="1e-12", total_episodes="16", eval_every="1")
-            rows, _ = train(name, *before, *flags)
-            trl_record("tools", arm, {"before": held_out(rows[-1])})
+def tool_held_out(policy, arm, a, name):
+    """ppo.py's evaluation of a policy on the 64 held-out questions (one try each, a learning rate of 1e-12 for one
+    update): accuracy, and the share of episodes with a call that ran clean."""
+    import trl_grpo
+    flags = override(trl_grpo.ppo_flags(a), learning_rate="1e-12", total_episodes=str(a.batch_size), seed="1")
+    rows, _ = train(name, "--model", policy, *flags, "--eval-every", "1")
+    shutil.rmtree(os.path.join(ROOT, "runs", name))
+    called = rows[-1]["eval/tools/called"] / rows[-1]["eval/tools/episodes"] if a.tools else 0.0
+    return {"accuracy": round(rows[-1]["eval/score"], 4), "called": round(called, 4)}
+
+
+def tool_runs(seeds=(1,), arms=("tools", "no_tools", "trl_tools")):
+    """Issue 64: each arm's held-out accuracy and share of calls before training and after TOOL_UPDATES updates, one
+    run at a time on both cores; ppo.py with and without the calculator, and TRL 1.12's GRPOTrainer with tools=.
+    Recorded into results.json's "tools" as each run ends."""
+    for arm in arms:
+        trl_grpo, a = tool_task(arm, 1)
+        if arm != "trl_tools" and "before" not in json.load(open(os.path.join(HERE, "results.json"))).get(
+                "tools", {}).get(arm, {}):
+            trl_record("tools", arm, {"before": tool_held_out(a.model, arm, a, f"exp_tools_{arm}_before")})
         for seed in seeds:
-            rows, seconds = train(f"exp_tools_{arm}_s{seed}", *TOOL_FLAGS, *flags, "--seed", str(seed))
-            out = json.load(open(os.path.join(HERE, "results.json")))["tools"][arm]
-            per_update = [r["time/rollout_s"] + r["time/update_s"] for r in rows[1:]]
-            out[f"seed{seed}"] = {**held_out(rows[-1]), "seconds": round(seconds),
-                                  "s_per_update": round(float(np.median(per_update)), 1),
-                                  "scores": [round(r["objective/scores"], 4) for r in rows],
-                                  "called": [round(r.get("tools/called", 0) / r.get("tools/episodes", 1), 4)
-                                             for r in rows]}
+            trl_grpo, a = tool_task(arm, seed)
+            name = f"exp_tools_{arm}_s{seed}"
+            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+            t0 = time.perf_counter()
+            command = trl_arm_command("trl_grpo" if arm == "trl_tools" else "ppo_grpo", name, trl_grpo, a)
+            subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            seconds = time.perf_counter() - t0
+            rows = trl_update_rows("trl_grpo" if arm == "trl_tools" else "ppo_grpo", name)
+            policy = os.path.join(ROOT, "runs", name, "policy")
+            out = json.load(open(os.path.join(HERE, "results.json"))).get("tools", {}).get(arm, {})
+            out[f"seed{seed}"] = {**tool_held_out(policy, arm, a, f"exp_tools_{arm}_s{seed}_eval"),
+                                  "seconds": round(seconds), "s_per_update": round(float(np.median(
+                                      [r["s"] for r in rows[1:]])), 1),
+                                  "peak_mb": round(max(r["peak_mb"] for r in rows)),
+                                  "scores": [round(r["score"], 4) for r in rows]}
+            if arm == "tools":
+                out[f"seed{seed}"]["called"] = [round(r["tools/called"] / r["tools/episodes"], 4)
+                                                for r in rows_of(name)]
             trl_record("tools", arm, out)
+            print(arm, seed, out[f"seed{seed}"], flush=True)
     return json.load(open(os.path.join(HERE, "results.json")))["tools"]
 
 

@@ -50,6 +50,8 @@ MAPPING = [
     ("beta", lambda a: a.kl_coef, "--kl-in-loss --kl-estimator k3 --kl-coef", "k3 per token in the loss on both"),
     ("mask_truncated_completions", lambda a: False, "(no --overlong-filter)", ""),
     ("disable_dropout", lambda a: True, "(always)", ""),
+    ("max_tool_calling_iterations", lambda a: a.max_tool_calls, "--max-tool-calls", "TRL counts rounds of calls, "
+     "ppo.py calls (with --tools: docs/tools.md)"),
     ("gradient_checkpointing", lambda a: bool(a.gradient_checkpointing), "--gradient-checkpointing (off by default)",
      "each trainer's default: on in TRL, off in ppo.py; the same numbers, less memory for more time (trlspeed "
      "measures both on both)"),
@@ -68,8 +70,10 @@ def grpo_config_kwargs(a):
 
 def ppo_flags(a):
     """ppo.py's GRPO arm at the same settings (the flags MAPPING names)."""
-    data = ["--dataset", a.dataset, "--answer-format", a.answer_format, "--eval-size", str(a.eval_size)]
+    data = ["--dataset", a.dataset, "--eval-size", str(a.eval_size), "--max-prompt-length", str(a.max_prompt_length)]
     data += ["--dataset-options", a.dataset_options] if a.dataset_options else []
+    data += ["--reward-fn", a.reward_fn] if a.reward_fn else ["--answer-format", a.answer_format]
+    data += ["--tools", a.tools, "--max-tool-calls", str(a.max_tool_calls)] if a.tools else []
     return [*data, "--adv-estimator", "grpo", "--group-size", str(a.group_size), "--batch-size", str(a.batch_size),
             "--num-minibatches", str(a.num_minibatches), "--num-ppo-epochs", str(a.num_ppo_epochs),
             "--total-episodes", str(a.batch_size * a.updates), "--response-length", str(a.response_length),
@@ -82,7 +86,11 @@ def ppo_flags(a):
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="an HF checkpoint folder (a model built in memory has no path)")
-    ap.add_argument("--dataset", required=True, help="reasoning-gym:NAME, as ppo.py's --dataset")
+    ap.add_argument("--dataset", required=True, help="reasoning-gym:NAME or a prompt file, as ppo.py's --dataset")
+    ap.add_argument("--reward-fn", default=None, help="FILE.py:NAME, as ppo.py's (a prompt file's score)")
+    ap.add_argument("--tools", default=None, help="FILE.py:NAME[,NAME...], as ppo.py's: GRPOTrainer's tools=")
+    ap.add_argument("--max-tool-calls", type=int, default=8, help="as ppo.py's: max_tool_calling_iterations")
+    ap.add_argument("--max-prompt-length", type=int, default=512, help="as ppo.py's (TRL renders prompts whole)")
     ap.add_argument("--dataset-options", default=None, help="as ppo.py's")
     ap.add_argument("--answer-format", default="tag", help="as ppo.py's")
     ap.add_argument("--eval-size", type=int, default=256, help="as ppo.py's: the evaluation questions leave training")
@@ -133,12 +141,27 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(a.model, padding_side="left")
     stop_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}  # TRL ends a completion at the EOS (or pads)
     rows = training_prompts(a, ppo)
-    data = Dataset.from_list([{"prompt": r["prompt"], "entry": json.dumps(r["entry"]), "task": r["task"],
-                               "answer_format": r["answer_format"]} for r in rows])
+    tools = []
+    if a.tools:  # (TRL parses calls with a response template; for the Hermes form of a template it does not know,
+        import tools as tools_py  # Qwen 3's, which reads that form, as tests/trl_tools.py does)
+        from trl.chat_template_utils import qwen3_template
+        tools, tokenizer.response_template = tools_py.load(a.tools), qwen3_template
+    if a.reward_fn:  # a prompt file: its columns go to the reward function, as ppo.py's --reward-fn
+        score_fn = ppo.load_python(a.reward_fn, "--reward-fn")
+        data = Dataset.from_list([{k: json.dumps(v) if k != "prompt" else v for k, v in r.items()} for r in rows])
+    else:
+        data = Dataset.from_list([{"prompt": r["prompt"], "entry": json.dumps(r["entry"]), "task": r["task"],
+                                   "answer_format": r["answer_format"]} for r in rows])
 
-    def reward(prompts, completions, completion_ids, entry, task, answer_format, **_):
+    def reward(prompts, completions, completion_ids, **columns):  # (with tools: the last message, the answer)
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores = ppo.adapters.reasoning_gym_reward(prompts, texts, task, [json.loads(e) for e in entry], answer_format)
+        if a.reward_fn:
+            scores = score_fn(prompts, texts, **{k: [json.loads(v) for v in vs] for k, vs in columns.items()
+                                                 if k in rows[0] and k != "prompt"})
+        else:
+            scores = ppo.adapters.reasoning_gym_reward(prompts, texts, columns["task"],
+                                                       [json.loads(e) for e in columns["entry"]],
+                                                       columns["answer_format"])
         return [s if ids and ids[-1] in stop_ids else a.missing_eos_penalty for s, ids in zip(scores, completion_ids)]
 
     steps_per_update = a.num_minibatches * a.num_ppo_epochs
@@ -172,7 +195,7 @@ def main():
     config = GRPOConfig(output_dir=os.path.join(a.out, "trl"), report_to="none", save_strategy="no", logging_steps=1,
                         disable_tqdm=True, use_cpu=not torch.cuda.is_available(), **grpo_config_kwargs(a))
     trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[Log()])
+                          processing_class=tokenizer, callbacks=[Log()], tools=tools or None)
     trainer.train()
     trainer.save_model(os.path.join(a.out, "policy"))
     tokenizer.save_pretrained(os.path.join(a.out, "policy"))

@@ -308,7 +308,7 @@ def test_the_trl_baseline_passes_the_settings_its_table_states():
     assert args.clip_eps == P["epsilon"] == P["epsilon_high"] and args.clip_eps_high is None
     assert (args.kl_in_loss, args.kl_estimator, args.kl_coef) == (True, "k3", P["beta"]) and P["beta"] > 0
     assert (args.seed, args.precision, args.overlong_filter) == (P["seed"], "fp32", P["mask_truncated_completions"])
-    assert args.missing_eos_penalty == a.missing_eos_penalty
+    assert args.missing_eos_penalty == a.missing_eos_penalty and args.max_tool_calls == P["max_tool_calling_iterations"]
 
 
 def test_the_critic_experiment_evaluates_every_arm_on_questions_no_arm_trains_on():
