@@ -2602,7 +2602,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
         row.update({"rollout/corrected_tokens": masked_mean(rollout.corrected, mask).item(),
                     "rollout/corrected_responses": rollout.corrected.amax(1).mean().item(),
                     "rollout/is_weight_mean": masked_mean(rollout.is_weights, rollout.kept).item()})
-    if args.tools:  # this rank's calls since the last row (reduce_row's mean: per rank); tools.py, load_models' import
+    if args.tools:  # calls per episode since the last row (tools.py, imported by load_models)
         row.update(sys.modules["tools"].counts("tools/"))
     if args.env is not None or args.tools:  # turns per episode (the env's steps), and per success
         turns = rollout.turn_ends.sum(1)  # (B,)
@@ -2670,7 +2670,7 @@ def evaluate(update, args, models, eval_rows, eval_ids, local_batch, micro, amp,
     row = {name: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() / max(n_responses, 1)
            for name, v in sums.items()}
     row.update({f"eval/pass@{j + 1}": v / max(n_prompts, 1) for j, v in enumerate(global_sum(pass_sums).tolist())})
-    if args.tools:  # the evaluation's calls, kept out of the next update's tools/ (reduce_row's mean: per rank)
+    if args.tools:  # the evaluation's calls per episode, kept out of the next update's tools/
         row.update(sys.modules["tools"].counts("eval/tools/"))
     return row, samples
 

@@ -17,8 +17,7 @@ import re
 import sandbox
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes / Qwen 2.5's form of a call
-COUNTS = collections.Counter()  # --tools: what counts() logs, since ppo.py last logged it
-KEYS = ("calls", "errors", "timeouts", "episodes", "called")  # (called: the episodes with a call that ran clean)
+COUNTS = collections.Counter()  # --tools: the episodes, calls, errors and timeouts since counts() last read them
 JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool, "array": list, "object": dict,
               "null": type(None)}
 
@@ -153,9 +152,11 @@ def argument_error(parameters, arguments):
 
 
 def counts(prefix):
-    """The calls, errors (timeouts among them), timeouts, episodes ended, and episodes with a call that ran clean,
-    since the last time: ppo.py's tools/ metrics of each update and eval/tools/ of each evaluation."""
-    return {prefix + k: float(COUNTS.pop(k, 0)) for k in KEYS}
+    """Per episode since the last time: the calls, the errors (timeouts among them), the timeouts, and `called`, the
+    share of episodes with a call that ran clean. ppo.py's tools/ of each update and eval/tools/ of each evaluation
+    (each rank plays as many episodes, so the mean over ranks is the run's)."""
+    episodes = max(COUNTS.pop("episodes", 0), 1)
+    return {prefix + k: COUNTS.pop(k, 0) / episodes for k in ("calls", "errors", "timeouts", "called")}
 
 
 def episodes(args, tokenizer, fail, score):
@@ -176,12 +177,13 @@ def episodes(args, tokenizer, fail, score):
     class Episode:
         def reset(self, row, seed):
             self.row, self.calls, self.clean = row, 0, 0
+            COUNTS.update(episodes=1)
             return row["prompt"]
 
         def step(self, text):
             calls = parse(tokenizer, text, "", schemas, args.max_tool_calls - self.calls)
             if not calls or self.calls >= args.max_tool_calls:  # the answer
-                COUNTS.update(episodes=1, called=int(self.clean > 0))
+                COUNTS.update(called=int(self.clean > 0))
                 columns = {k: [v] for k, v in self.row.items() if k not in ("prompt", args.prompt_column)}
                 return None, score(self.row["prompt"], text, columns), True
             results = [run(loaded, c, limits) for c in calls]

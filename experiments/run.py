@@ -765,8 +765,7 @@ def tool_held_out(policy, arm, a, name):
     flags = override(trl_grpo.ppo_flags(a), learning_rate="1e-12", total_episodes=str(a.batch_size), seed="1")
     rows, _ = train(name, "--model", policy, *flags, "--eval-every", "1")
     shutil.rmtree(os.path.join(ROOT, "runs", name))
-    called = rows[-1]["eval/tools/called"] / rows[-1]["eval/tools/episodes"] if a.tools else 0.0
-    return {"accuracy": round(rows[-1]["eval/score"], 4), "called": round(called, 4)}
+    return {"accuracy": round(rows[-1]["eval/score"], 4), "called": round(rows[-1].get("eval/tools/called", 0), 4)}
 
 
 def tool_runs(seeds=(1,), arms=("tools", "no_tools", "trl_tools")):
@@ -795,11 +794,34 @@ def tool_runs(seeds=(1,), arms=("tools", "no_tools", "trl_tools")):
                                   "peak_mb": round(max(r["peak_mb"] for r in rows)),
                                   "scores": [round(r["score"], 4) for r in rows]}
             if arm == "tools":
-                out[f"seed{seed}"]["called"] = [round(r["tools/called"] / r["tools/episodes"], 4)
-                                                for r in rows_of(name)]
+                out[f"seed{seed}"]["train_called"] = [round(r["tools/called"], 4) for r in rows_of(name)]
             trl_record("tools", arm, out)
             print(arm, seed, out[f"seed{seed}"], flush=True)
-    return json.load(open(os.path.join(HERE, "results.json")))["tools"]
+    record = json.load(open(os.path.join(HERE, "results.json")))["tools"]
+    tool_figure(record)
+    return record
+
+
+def tool_figure(record):
+    """experiments/tools.png: each arm's training score per update (seed 1), and held-out accuracy and share of
+    episodes with a clean call before and after training."""
+    labels = {"tools": "ppo.py, --tools calculator", "no_tools": "ppo.py, no tool",
+              "trl_tools": "TRL GRPOTrainer, tools="}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for arm, label in labels.items():
+        if "seed1" in record.get(arm, {}):
+            scores = record[arm]["seed1"]["scores"]
+            ax.plot(range(1, len(scores) + 1), scores, label=label, lw=1.2)
+    ax.set_title("training score (seed 1; -1: no stop token)", fontsize=9), ax.set_xlabel("update"), ax.legend()
+    bars = [(f"{arm}\n{when}", record[arm][key]) for arm in labels for when, key in (("before", "before"),
+                                                                                    ("after", "seed1"))
+            if key in record.get(arm, {})]
+    x = np.arange(len(bars))
+    bx.bar(x - 0.2, [b.get("accuracy", 0) for _, b in bars], 0.4, label="held-out accuracy")
+    bx.bar(x + 0.2, [b.get("called", 0) for _, b in bars], 0.4, label="episodes with a clean call")
+    bx.set_xticks(x, [name for name, _ in bars], fontsize=7), bx.set_ylim(0, 1.05), bx.legend(fontsize=8, loc="center")
+    bx.set_title("64 held-out questions, before and after 10 updates", fontsize=9)
+    fig.tight_layout(), fig.savefig(os.path.join(HERE, "tools.png"), dpi=80), plt.close(fig)
 
 
 def guess_world():

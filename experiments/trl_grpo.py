@@ -33,7 +33,9 @@ MAPPING = [
     ("num_iterations", lambda a: a.num_ppo_epochs, "--num-ppo-epochs K", "TRL's minibatches are slices of the batch "
      "in order (whole prompts), ppo.py's a random permutation of the rollouts, drawn anew each epoch"),
     ("max_steps", lambda a: a.updates * a.num_minibatches * a.num_ppo_epochs, "--total-episodes B x updates", ""),
-    ("max_completion_length", lambda a: a.response_length, "--response-length", ""),
+    ("max_completion_length", lambda a: a.response_length if not a.tools else (a.max_tool_calls + 1) *
+     a.response_length + a.max_tool_calls * 64, "--response-length", "with --tools, --max-episode-tokens' default: "
+     "TRL caps the episode (tool messages in it), not each turn"),
     ("temperature", lambda a: a.temperature, "--temperature", "both take every log-prob at it"),
     ("top_p", lambda a: 1.0, "--top-p 1.0", ""), ("top_k", lambda a: 0, "--top-k 0", ""),
     ("repetition_penalty", lambda a: 1.0, "(none)", ""),

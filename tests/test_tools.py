@@ -1,6 +1,9 @@
-"""The sandbox for tool calls (issue 64, item 2-3: sandbox.py): hostile calls, each contained within its limits and
-reported in the tool's result, with this process (the trainer's place) and its files untouched."""
+"""Tool calls (issue 64): the sandbox (sandbox.py), each hostile call contained within its limits and reported in the
+tool's result, this process (the trainer's place) and its files untouched; the tools and their parsing (tools.py);
+--tools runs with the critic, GRPO's groups, the vLLM engine, a resume and 2 ranks; TRL's rendering and parsing."""
+import collections
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -245,18 +248,61 @@ def exact(prompts, responses, answer):
 '''
 
 
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def calling_policy():
+    """The tiny Qwen2 chat model (tests/real_models.py) with TOOL_TEMPLATE, taught by a few hundred steps of SFT to
+    make a call on its first turn (always CALL) and to answer 3 once the result is back: episodes of two turns with a
+    tool message between, for the runs below. The loss is on the model's own tokens only, and the head runs on
+    those alone (Qwen2's vocabulary is 151k). Built once, under runs/real/qwen2-calls."""
+    import json
+    import random
+    import real_models
+    import tools
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = os.path.join(real_models.ROOT, "qwen2-calls")
+    if os.path.exists(os.path.join(path, "done.json")):
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(real_models.build("qwen2"), path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "my_tools.py"), "w") as f:
+        f.write(TOOLS_FILE)
+    schemas = [t.schema for t in tools.load(f"{path}/my_tools.py:add,python")]
+    model, rng = AutoModelForCausalLM.from_pretrained(path), random.Random(0)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(200):
+        chat = [{"role": "user", "content": f"What is {rng.randrange(10)} + {rng.randrange(10)}?"}]
+        prompt = ids(tokenizer.apply_chat_template(chat, tools=schemas, add_generation_prompt=True, tokenize=False))
+        with_call = chat + [{"role": "assistant", "content": CALL}]
+        result = ids(tokenizer.apply_chat_template(with_call + [{"role": "tool", "content": "3"}], tools=schemas,
+                                                   add_generation_prompt=True, tokenize=False))
+        x = result + ids("3") + [end]  # the whole episode; the model's tokens: CALL <|im_end|>, then 3 <|im_end|>
+        mine = list(range(len(prompt) - 1, len(prompt) + len(ids(CALL)))) + list(range(len(result) - 1, len(x) - 1))
+        hidden = model.model(torch.tensor([x])).last_hidden_state[0, mine]  # (n, H)
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor([x[i + 1] for i in mine]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.config.max_position_embeddings = 1024  # (RoPE: no learned positions; vLLM caps its context at this)
+    model.save_pretrained(path)
+    json.dump({"sft_loss": loss.item()}, open(os.path.join(path, "done.json"), "w"))
+    return path
+
+
 @pytest.fixture(scope="module")
 def tool_files(tmp_path_factory):
     """A tiny chat model on Qwen2's real tokenizer with TOOL_TEMPLATE, a tools file, a reward and a prompt set."""
     import json
-    import shutil
-    import real_models
-    from transformers import AutoTokenizer
     root = tmp_path_factory.mktemp("tools")
-    shutil.copytree(real_models.build("qwen2"), root / "policy")
-    tokenizer = AutoTokenizer.from_pretrained(root / "policy")
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.save_pretrained(root / "policy")
+    shutil.copytree(calling_policy(), root / "policy")
     (root / "my_tools.py").write_text(TOOLS_FILE)
     (root / "reward.py").write_text(ANSWER_FN)
     with open(root / "prompts.jsonl", "w") as f:
@@ -291,30 +337,144 @@ def test_an_episode_runs_the_calls_and_the_template_renders_their_results(tool_f
     assert tokenizer.decode(ids) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
                                    "<|im_start|>assistant\n"
     assert env.step("It is 5") == (None, 1.0, True)
-    assert tools.counts("tools/") == {"tools/calls": 1, "tools/errors": 0, "tools/timeouts": 0, "tools/episodes": 1,
-                                      "tools/called": 1} and not tools.COUNTS
-    env.reset({"prompt": "What is 2 + 3?", "answer": "5"}, 0)  # a call that fails is not a call that ran clean
-    env.step('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'), env.step("5")
-    assert tools.counts("") == {"calls": 1, "errors": 1, "timeouts": 0, "episodes": 1, "called": 0}
+    assert tools.counts("tools/") == {"tools/calls": 1, "tools/errors": 0, "tools/timeouts": 0, "tools/called": 1}
+    assert not tools.COUNTS
+    for said in ('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>', said, "5"):  # a call that fails is
+        env.reset({"prompt": "What is 2 + 3?", "answer": "5"}, 0)                          # not one that ran clean
+        env.step(said), env.step("5")
+    assert tools.counts("") == {"calls": 2 / 3, "errors": 1 / 3, "timeouts": 0, "called": 1 / 3}
+
+
+def tool_flags(root):
+    return dict(model=str(root / "policy"), tools=f"{root}/my_tools.py:add,python", reward_fn=f"{root}/reward.py:exact",
+                dataset=str(root / "prompts.jsonl"), response_length=32, max_tool_calls=2, eval_size=8,
+                micro_batch_size=8, max_prompt_length=256, learning_rate=1e-5)
+
+
+def tool_results_off_the_loss(rollout, tokenizer):
+    """Each episode of a rollout: the model's own tokens (mask 1) hold no tool result; the tokens between its turns
+    (mask 0) are the template's tool messages, at most one for each call the model began (a call on the last turn
+    allowed runs not), the taught call's result after it. Returns how many episodes had one."""
+    P = rollout.query_responses.shape[1] - rollout.mask.shape[1]
+    n = 0
+    for b in range(rollout.mask.shape[0]):
+        ids = rollout.query_responses[b, P:P + int(rollout.lengths[b])].tolist()
+        mask = rollout.mask[b, :len(ids)].tolist()
+        own = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+        between = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+        assert "<tool_response>" not in own and mask[0] == 1 and mask[-1] == 1
+        messages = between.count("<tool_response>")
+        assert messages == between.count("</tool_response>") and (1 <= messages <= own.count("<tool_call>")
+                                                                   if between else True)
+        if own.startswith(CALL + "<|im_end|>"):  # a first turn that made the call the model was taught: its result
+            assert between.startswith("\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>")
+        n += bool(between)
+    return n
 
 
 def test_a_run_with_tools_trains_and_refuses_what_it_cannot_do(tool_files, monkeypatch):
-    """ppo.py --tools on the tiny Qwen2 chat model, GAE with the critic: the prompts the model is given carry the
-    tools' schemas, the run logs tools/calls and env/turns; --tools with --env, without --reward-fn, or on a model
-    whose template takes no tools is refused in one line."""
+    """ppo.py --tools on the tiny Qwen2 chat model taught to call, GAE with the critic: the prompts the model is given
+    carry the tools' schemas; calls run and their results come back between the turns, off the loss; the run logs
+    tools/ and env/turns; --tools with --env, without --reward-fn, or on a model whose template takes no tools is
+    refused in one line."""
     import ppo
     from test_in_process import run_main
     from test_less_work import rollouts_logged
     seen = rollouts_logged(monkeypatch)
-    flags = dict(model=str(tool_files / "policy"), tools=f"{tool_files}/my_tools.py:add,python",
-                 reward_fn=f"{tool_files}/reward.py:exact", dataset=str(tool_files / "prompts.jsonl"),
-                 response_length=16, max_tool_calls=2, eval_size=8, micro_batch_size=8, max_prompt_length=256)
+    flags = tool_flags(tool_files)
     rows = run_main("test_tools_run", total_episodes=16, batch_size=8, **flags)
-    assert len(rows) == 2 and all(r["tools/calls"] >= 0 and 1 <= r["env/turns"] <= 3 for r in rows)
-    prompt = ppo.AutoTokenizer.from_pretrained(flags["model"]).decode(seen[0].query_responses[0])
+    assert len(rows) == 2 and all(r["tools/called"] > 0 and r["tools/calls"] >= r["tools/called"]
+                                  and 1 <= r["env/turns"] <= 3 for r in rows)
+    tokenizer = ppo.AutoTokenizer.from_pretrained(flags["model"])
+    prompt = tokenizer.decode(seen[0].query_responses[0])
     assert '"name": "add"' in prompt and '"name": "python"' in prompt
+    assert all(tool_results_off_the_loss(r, tokenizer) > 0 for r in seen)
     for bad, words in ((dict(env="tests/envs.py:Replies"), "no --env"), (dict(reward_fn=None), "add --reward-fn"),
                        (dict(model="toy"), "never reads `tools`")):
         with pytest.raises(ppo.UsageError, match=words) as e:
             run_main("test_tools_bad", **{**flags, **bad})
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "vllm"])
+def test_tool_episodes_with_the_group_estimators_and_the_vllm_engine(tool_files, monkeypatch, mode):
+    """--tools with GRPO's groups (no critic) on the HF sampler, and with the vLLM engine sampling every turn: the
+    calls run, their results come back between the turns, off the loss."""
+    import ppo
+    from test_in_process import run_main
+    from test_less_work import rollouts_logged
+    if mode == "vllm":
+        pytest.importorskip("vllm")
+    seen = rollouts_logged(monkeypatch)
+    flags = {**tool_flags(tool_files), **(dict(adv_estimator="grpo", group_size=4) if mode == "grpo" else
+                                           dict(vllm=True))}
+    rows = run_main(f"test_tools_{mode}", total_episodes=16, batch_size=8, **flags)
+    assert len(rows) == 2 and all(r["tools/called"] > 0 for r in rows)
+    tokenizer = ppo.AutoTokenizer.from_pretrained(flags["model"])
+    assert all(tool_results_off_the_loss(r, tokenizer) > 0 for r in seen)
+
+
+def cli(flags):
+    return [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+
+
+def test_a_run_with_tools_resumes_exactly_and_runs_on_two_ranks_as_on_one(tool_files):
+    """Killed once its checkpoint of update 1 is in place, mid-update 2 (its episodes' calls in flight), and resumed:
+    the rows of the straight run, tools/ among them (the killed update's episodes are played again, their calls
+    counted once). Under torchrun on 2 ranks (gloo), each playing half the episodes: the one-rank run's rows within
+    fp32's rounding (tests/test_sharded.py), the calls per episode the same."""
+    from test_resume import metrics, straight_and_resumed
+    from test_sharded import assert_same_run, torchrun
+    flags = cli({**tool_flags(tool_files), "total_episodes": 16, "batch_size": 8, "micro_batch_size": 4,
+                 "save_every": 1, "sample_every": 0})
+    runs = straight_and_resumed("test_tools_resume", flags)
+    straight, resumed = ([{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in metrics(run)]
+                         for run in runs)
+    assert resumed == straight and len(straight) == 2 and all(r["tools/called"] > 0 for r in straight)
+    shutil.rmtree("runs/test_tools_two", ignore_errors=True)
+    out = torchrun(2, "ppo.py", "--run-name", "test_tools_two", *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_run(metrics("test_tools_two"), metrics(runs[0]))
+
+
+@pytest.mark.fast
+def test_the_prompt_the_calls_and_the_tool_message_are_those_of_trl_grpo_trainer():
+    """tests/trl_tools.json (TRL 1.12's GRPOTrainer with tools=, recorded by tests/trl_tools.py): the same prompt ids
+    for the tool task's rows, the same calls read from the same outputs, the same ids after a call. Where the two
+    differ, it is by design, and asserted: a call TRL cannot read (malformed JSON, no name) TRL takes for a final
+    answer and ends the episode, tools.py answers with an error for the model to read; arguments written as a JSON
+    string TRL passes on as a string (the call then fails), tools.py decodes."""
+    import json
+    import ppo
+    import real_models
+    import smollm2
+    import tools
+    from transformers import AutoTokenizer
+    fixture = json.load(open(os.path.join(os.path.dirname(__file__), "trl_tools.json")))
+    tokenizer = AutoTokenizer.from_pretrained(real_models.tokenizer_dir("qwen2"))
+    tokenizer.chat_template = smollm2.TOOLS_TEMPLATE
+    args = ppo.Args(model="qwen2", tools=os.path.join(os.path.dirname(__file__), "trl_tools.py:calculator,add"),
+                    reward_fn="smollm2.py:calc_reward", max_prompt_length=768)
+    env = tools.episodes(args, tokenizer, ppo.fail, None)()  # (the tokenizer now renders the tools' schemas)
+    for p in fixture["prompts"]:
+        assert ppo.render_prompt(tokenizer, env.reset({"prompt": p["messages"]}, 0)) == p["ids"]
+    kinds = collections.Counter()
+    for out in fixture["outputs"]:
+        ours, theirs = tools.parse(tokenizer, out["text"], "", None, 8), out["calls"]
+        if theirs and all(isinstance(c["arguments"], dict) for c in theirs):
+            kinds["same"] += 1
+            assert [(c.name, c.arguments, c.error) for c in ours] == [(c["name"], c["arguments"], None) for c in theirs]
+        elif theirs:
+            kinds["arguments as a string"] += 1
+            assert [(c.name, c.arguments) for c in ours] == [(c["name"], json.loads(c["arguments"])) for c in theirs]
+        elif ours:
+            kinds["an error, not an answer"] += 1
+            assert len(ours) == 1 and ours[0].error and "<tool_call>" in out["text"]
+        else:
+            kinds["no call"] += 1
+    assert kinds == {"same": 6, "arguments as a string": 1, "an error, not an answer": 2, "no call": 3}, kinds
+    chat, _ = ppo.first_observation(tokenizer, fixture["prompts"][0]["messages"], args)
+    said = fixture["outputs"][0]["text"]
+    tool_message = [{"role": "tool", "name": "calculator", "content": "3957283"}]
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ppo.observation_ids(tokenizer, chat, said, tool_message, stop, args, 1) == fixture["tool_suffix"]
