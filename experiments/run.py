@@ -803,24 +803,25 @@ def tool_runs(seeds=(1,), arms=("tools", "no_tools", "trl_tools")):
 
 
 def tool_figure(record):
-    """experiments/tools.png: each arm's training score per update (seed 1), and held-out accuracy and share of
-    episodes with a clean call before and after training."""
+    """experiments/tools.png: each arm's training score per update (each seed), and held-out accuracy and share of
+    episodes with a clean call before and after training (the mean over seeds, each seed a dot)."""
     labels = {"tools": "ppo.py, --tools calculator", "no_tools": "ppo.py, no tool",
               "trl_tools": "TRL GRPOTrainer, tools="}
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.4))
-    for arm, label in labels.items():
-        if "seed1" in record.get(arm, {}):
-            scores = record[arm]["seed1"]["scores"]
-            ax.plot(range(1, len(scores) + 1), scores, label=label, lw=1.2)
-    ax.set_title("training score (seed 1; -1: no stop token)", fontsize=9), ax.set_xlabel("update"), ax.legend()
-    bars = [(f"{arm}\n{when}", record[arm][key]) for arm in labels for when, key in (("before", "before"),
-                                                                                    ("after", "seed1"))
-            if key in record.get(arm, {})]
+    for i, (arm, label) in enumerate(labels.items()):
+        for j, seed in enumerate(k for k in record.get(arm, {}) if k.startswith("seed")):
+            scores = record[arm][seed]["scores"]
+            ax.plot(range(1, len(scores) + 1), scores, color=f"C{i}", lw=1, label=None if j else label)
+    ax.set_title("training score (each seed; -1: no stop token)", fontsize=9), ax.set_xlabel("update"), ax.legend()
+    bars = [(f"{arm}\n{when}", runs) for arm in labels for when, key in (("before", "before"), ("after", "seed"))
+            if (runs := [record[arm][k] for k in record.get(arm, {}) if k.startswith(key)])]
     x = np.arange(len(bars))
-    bx.bar(x - 0.2, [b.get("accuracy", 0) for _, b in bars], 0.4, label="held-out accuracy")
-    bx.bar(x + 0.2, [b.get("called", 0) for _, b in bars], 0.4, label="episodes with a clean call")
+    for dx, what, label in ((-0.2, "accuracy", "held-out accuracy"), (0.2, "called", "episodes with a clean call")):
+        bx.bar(x + dx, [np.mean([r.get(what, 0) for r in runs]) for _, runs in bars], 0.4, label=label)
+        for xi, (_, runs) in zip(x, bars):
+            bx.plot([xi + dx] * len(runs), [r.get(what, 0) for r in runs], "k.", ms=3)
     bx.set_xticks(x, [name for name, _ in bars], fontsize=7), bx.set_ylim(0, 1.05), bx.legend(fontsize=8, loc="center")
-    bx.set_title("64 held-out questions, before and after 10 updates", fontsize=9)
+    bx.set_title("64 held-out questions, before and after 10 updates (mean; dots: seeds)", fontsize=9)
     fig.tight_layout(), fig.savefig(os.path.join(HERE, "tools.png"), dpi=80), plt.close(fig)
 
 
