@@ -307,6 +307,8 @@ class Args:
     """the head's matmul in fp32 under autocast: the log-probs' largest rounding gone (docs/precision.md)"""
     logprob_chunk: int = 256
     """the head on this many tokens at once: no (b, T, V) logits (0 = all at once)"""
+    pack: bool = True
+    """every pass on the rows' real tokens end to end, no padding (--no-pack: rows padded to the longest)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward (less memory, about 30% slower)"""
     shard_frozen: bool = True
@@ -551,11 +553,45 @@ def move(models, device):
         model.to(device)
 
 
-def forward(model, query_responses, attention_mask, **kw):
-    """Positions count real tokens only: with left padding, token i of a prompt sits at position i."""
+def forward(model, query_responses, attention_mask, logits_to_keep=0, **kw):
+    """Positions count real tokens only: with left padding, token i of a prompt sits at position i. A model with
+    `pack` set runs on the rows' real tokens laid end to end, no padding (pack_rows); its head sees the rows again."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)
-    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
-                 use_cache=False, **kw)
+    if not getattr(model, "pack", False):
+        return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=False, logits_to_keep=logits_to_keep, **kw)
+    real = attention_mask.bool()  # (b, P+T)
+    ids, positions, where = pack_rows(query_responses, position_ids, real)  # (n, L) each; where: (N,)
+
+    def unpack(head, inputs):  # (n, L, H) -> (b, P+T, H): each real token's state back in its row, 0 on padding
+        rows = inputs[0].new_zeros(*real.shape, inputs[0].shape[-1]).index_put((real,), inputs[0].flatten(0, 1)[where])
+        return (rows[:, -logits_to_keep:],)  # (b, keep, H): the last positions, as logits_to_keep (0: all)
+    hook = (model.seq_cls.score if isinstance(model, ValueModel) else model.get_output_embeddings()
+            ).register_forward_pre_hook(unpack, prepend=True)  # (before head_states' hook)
+    try:
+        return model(input_ids=ids, position_ids=positions, use_cache=False, **kw)
+    finally:
+        hook.remove()
+
+
+def pack_rows(query_responses, position_ids, real):
+    """The rows' real tokens (contiguous in each row: left-padded prompts, right-padded responses) end to end, in
+    lines no longer than the longest row (first fit, longest first: no line attends over more than a padded row
+    would). Positions restart at each row, so transformers keeps attention within it (sdpa, eager, flex: a mask from
+    the positions; flash-attention: varlen); a line's padded tail sits at position 0, rows of its own. Returns the
+    ids and positions (n, L) and where each real token (row-major) went in the lines, flattened (N,)."""
+    counts = real.sum(1)  # (b,)
+    n, width, fill, start = counts.tolist(), int(counts.max()), [], [0] * len(counts)
+    for r in sorted(range(len(n)), key=lambda r: -n[r]):
+        i = next((i for i, f in enumerate(fill) if f + n[r] <= width), len(fill))
+        fill += [0] * (i == len(fill))
+        start[r], fill[i] = i * width + fill[i], fill[i] + n[r]
+    row = torch.repeat_interleave(torch.arange(len(counts), device=real.device), counts)  # (N,): each token's row
+    first = torch.cumsum(counts, 0) - counts  # (b,): each row's first token in the row-major order
+    where = torch.tensor(start, device=real.device)[row] + torch.arange(len(row), device=real.device) - first[row]
+    ids = query_responses.new_zeros(len(fill) * width).index_put((where,), query_responses[real])  # (n*L,)
+    positions = position_ids.new_zeros(len(fill) * width).index_put((where,), position_ids[real])  # (n*L,)
+    return ids.view(len(fill), width), positions.view(len(fill), width), where
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, support=None):
@@ -1632,6 +1668,9 @@ def load_models(args, device, log):
     if args.logprob_chunk and not all(chunked_head_works(m, device) for m in (policy, ref_policy, teacher) if m):
         log(f"{type(policy).__name__} transforms its logits after the head: log-probs from all the logits at once")
         args.logprob_chunk = 0  # (so config.json says what runs)
+    for model in [m for m in (policy, ref_policy, teacher, critic) if m] if args.pack else ():
+        if not packing_works(model, device):
+            log(f"{type(model).__name__} attends across packed rows: its passes run on padded rows")
     if args.teacher and args.distill == "loss" and not args.logprob_chunk:  # (it reads the head's states)
         fail("--distill loss takes each model's head a chunk at a time: set --logprob-chunk > 0, with models whose "
              "logits are their head's")
@@ -1698,7 +1737,7 @@ class ValueModel(nn.Module):
         super().__init__()
         self.seq_cls = seq_cls
 
-    def forward(self, input_ids, attention_mask, position_ids, **kw):
+    def forward(self, input_ids, position_ids, attention_mask=None, **kw):
         backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state  # (b, P+T, H)
@@ -2389,6 +2428,21 @@ def chunked_head_works(model, device):
         plain = policy_logprobs(model, ids, torch.ones_like(ids), 4, 1.0)[0]  # (1, 4)
         chunked = policy_logprobs(model, ids, torch.ones_like(ids), 4, 1.0, chunk=3)[0]  # (1, 4)
     return torch.allclose(plain, chunked, atol=1e-4)
+
+
+def packing_works(model, device):
+    """Whether a model's packed forward is its padded one (its `pack` then set): attention kept within each row, which transformers builds
+    from the positions for most architectures (not GPT-2's). Three rows of 6, 3 and 3 tokens: two lines."""
+    ids = (torch.arange(18, device=device).view(3, 6) * 7 + 2) % getattr(model, "seq_cls", model).config.vocab_size
+    mask = torch.ones_like(ids)  # (3, 6)
+    mask[1:, :2] = mask[1:, 5] = 0  # prompts left-padded, responses right-padded
+    out = []
+    for model.pack in (False, True):
+        with torch.no_grad():
+            out.append(state_values(model, ids, mask, 3)[:, :3] if isinstance(model, ValueModel) else
+                       policy_logprobs(model, ids, mask, 3, 1.0)[0])  # (3, 3)
+    model.pack = torch.allclose(*(x * mask[:, 3:] for x in out), atol=1e-4)  # (else its passes run padded)
+    return model.pack
 
 
 # --- sampling: each row from its own random stream; where a response stops --------------------
