@@ -470,7 +470,7 @@ def spread(args, rows=32, micro=4, repeats=3):
         times = []
         for _ in range(repeats):
             t0 = time.process_time()
-            logprobs, ref, entropy, values, next_values, _ = ppo.rollout_passes(
+            logprobs, ref, entropy, values, next_values, *_ = ppo.rollout_passes(
                 models.policy, models.ref_policy, models.critic, qr, am, mask, P, a.micro_batch_size or rows,
                 a.temperature, None, a.logprob_chunk, a.micro_batch_tokens)
             rollout = SimpleNamespace(  # the fields of ppo.Rollout that minibatch_backward reads

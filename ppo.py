@@ -29,12 +29,10 @@ Reading order: the flags, the algorithm (tensors in, tensors out, in phase order
 Shapes: B rollouts per update (b in a micro-batch), P prompt tokens (left-padded), T response tokens, V vocabulary.
 """
 import contextlib
-import copy
 import importlib
 import json
 import math
 import os
-import queue
 import random
 import re
 import resource
@@ -58,8 +56,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GenerationConfig)
 
 import adapters  # glue to the optional libraries: reasoning-gym's tasks, TextArena's games, peft's files
-from runfiles import (checkpoint_damage, clear_leftovers, discard, file_digests, list_checkpoints, lock_run,  # the
-                      truncate_jsonl, unlock_run, write_json)  # run folder on disk: what a kill must not break
+from runfiles import (discard, file_digests, list_checkpoints, lock_run, truncate_jsonl, unlock_run,  # the
+                      write_json, choose_checkpoint as checkpoint_to_resume)  # run folder: what a kill must not break
 from gae import compute_gae_over_actions
 
 warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (one process saves a checkpoint too: as intended)
@@ -158,7 +156,7 @@ class Args:
     overlong_filter: bool = False
     """responses without EOS leave the losses (DAPO's over-long filtering)"""
     overlong_buffer: OptInt = None
-    """DAPO's soft over-length penalty: 0 at the limit less this many tokens, down to -1 at the limit (None = off)"""
+    """DAPO's soft length penalty: 0 this many tokens before the limit, -1 at it (None: off)"""
 
     # 4. reward and KL
     kl_coef: float = 0.05
@@ -220,7 +218,7 @@ class Args:
     micro_batch_size: OptInt = None
     """rollouts per forward and backward on a rank, memory only (None: a rank's whole minibatch)"""
     micro_batch_tokens: OptInt = None
-    """instead: length-sorted micro-batches of at most this many padded tokens (veRL; None = off)"""
+    """instead: length-sorted micro-batches of at most this many tokens (veRL; None = off)"""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     """ppo clips each token's ratio; gspo each response's (Zheng et al. 2025); cispo the weight, detached (MiniMax)"""
     clip_eps: OptFloat = None
@@ -308,7 +306,7 @@ class Args:
     logprob_chunk: int = 256
     """the head on this many tokens at once: no (b, T, V) logits (0 = all at once)"""
     pack: bool = True
-    """every pass on the rows' real tokens end to end, no padding (--no-pack: rows padded to the longest)"""
+    """every pass on the real tokens end to end, no padding"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward (less memory, about 30% slower)"""
     shard_frozen: bool = True
@@ -408,8 +406,7 @@ def global_sum(x):
 
 
 # --- phases 1-2: generate, cut after the first EOS; then dynamic sampling (agents' episodes: `play`) ---
-# Each random stream's tag, the second word of its NumPy seed [seed, tag, ...]: NumPy seeds [s, u], [s, u, 0] and
-# [s, u, 0, 0] alike, so keys told apart by their length alone share bits. (The held-out split: [seed].)
+# each random stream's tag, its NumPy seed's second word: NumPy seeds keys that differ only in length alike
 STREAMS = dict(prompts=1, rows=2, minibatches=3, refills=4, ptx=5)
 
 
@@ -446,10 +443,9 @@ def generate(policy, tokenizer, prompt_ids, device, greedy=False, synced=False, 
         responses, engine_logprobs = adapters.vllm_generate(llm, sampling, prompt_ids, keys, greedy,
                                                             tokenizer.pad_token_id, device)  # (B, T) each
     else:
-        draw = None if greedy else KeyedSampler(keys, sampling, device)
+        draw = None if greedy else KeyedSampler(keys, sampling, device)  # one-hot scores: greedy decoding samples
         with torch.no_grad(), sampler or contextlib.nullcontext():  # (--sampler-precision)
-            # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop;
-            # greedy decoding of KeyedSampler's one-hot scores is sampling, each row from its own stream
+            # synced: a sharded model needs every rank in each forward, so all keep stepping until all stop
             out = policy.generate(input_ids=queries, attention_mask=query_mask, synced_gpus=synced, do_sample=False,
                                   temperature=None, top_k=None, top_p=None, logits_processor=[draw] if draw else None)
         responses = out[:, P:]  # (B, T), T <= response_length
@@ -506,15 +502,6 @@ def sample(models, args, rows, prompt_ids, idx, seeds, micro, amp, device, llm, 
                    parts)
 
 
-def row_keys(args, update, stream, rank, n, group=1):
-    """The random keys of this rank's n rows of an update, from (seed, update, stream) and each row's place in the
-    global batch, so a row draws the same on any number of ranks; `group` rows side by side share one (a group's
-    episodes). Streams: 0 the episodes' seeds, 1 the sampling (`KeyedSampler`), 2 evaluation; (s, r) refill r's."""
-    key = [args.seed, STREAMS["rows"], update, *np.atleast_1d(stream)]
-    keys = np.random.SeedSequence(key).generate_state(n * (rank + 1))[-n:]
-    return [int(k) for k in keys[np.arange(n) // group * group]]  # (n,) uint32 each
-
-
 def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, device, llm):
     """DAPO's dynamic sampling (Yu et al. 2025): drop the groups that all scored the same, refill; batch, metrics."""
     rank, world = rank_and_world()
@@ -545,53 +532,29 @@ def dynamic_sampling(batch, update, models, args, rows, prompt_ids, micro, amp, 
     return pick(join(kept, models.tokenizer.pad_token_id), torch.arange(int(full) * G, device=device)), metrics
 
 
+def row_keys(args, update, stream, rank, n, group=1):
+    """The random keys of this rank's n rows of an update, from (seed, update, stream) and each row's place in the
+    global batch, so a row draws the same on any number of ranks; `group` rows side by side share one (a group's
+    episodes). Streams: 0 the episodes' seeds, 1 the sampling (`KeyedSampler`), 2 evaluation; (s, r) refill r's."""
+    key = [args.seed, STREAMS["rows"], update, *np.atleast_1d(stream)]
+    keys = np.random.SeedSequence(key).generate_state(n * (rank + 1))[-n:]
+    return [int(k) for k in keys[np.arange(n) // group * group]]  # (n,) uint32 each
+
+
 # --- phase 3: log-probs, entropies and values in no-grad passes -------------------------------
 # a row's positions (docs/code-notes.md draws them): the logits at P-1+t score a_t; V_t is the value before a_t
-
 def move(models, device):
     for model in models:
         model.to(device)
 
 
 def forward(model, query_responses, attention_mask, logits_to_keep=0, **kw):
-    """Positions count real tokens only: with left padding, token i of a prompt sits at position i. A model with
-    `pack` set runs on the rows' real tokens laid end to end, no padding (pack_rows); its head sees the rows again."""
+    """Positions count real tokens only: with left padding, token i of a prompt sits at position i."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)
-    if not getattr(model, "pack", False):
-        return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False, logits_to_keep=logits_to_keep, **kw)
-    real = attention_mask.bool()  # (b, P+T)
-    ids, positions, where = pack_rows(query_responses, position_ids, real)  # (n, L) each; where: (N,)
-
-    def unpack(head, inputs):  # (n, L, H) -> (b, P+T, H): each real token's state back in its row, 0 on padding
-        rows = inputs[0].new_zeros(*real.shape, inputs[0].shape[-1]).index_put((real,), inputs[0].flatten(0, 1)[where])
-        return (rows[:, -logits_to_keep:],)  # (b, keep, H): the last positions, as logits_to_keep (0: all)
-    hook = (model.seq_cls.score if isinstance(model, ValueModel) else model.get_output_embeddings()
-            ).register_forward_pre_hook(unpack, prepend=True)  # (before head_states' hook)
-    try:
-        return model(input_ids=ids, position_ids=positions, use_cache=False, **kw)
-    finally:
-        hook.remove()
-
-
-def pack_rows(query_responses, position_ids, real):
-    """The rows' real tokens (contiguous in each row: left-padded prompts, right-padded responses) end to end, in
-    lines no longer than the longest row (first fit, longest first: no line attends over more than a padded row
-    would). Positions restart at each row, so transformers keeps attention within it (sdpa, eager, flex: a mask from
-    the positions; flash-attention: varlen); a line's padded tail sits at position 0, rows of its own. Returns the
-    ids and positions (n, L) and where each real token (row-major) went in the lines, flattened (N,)."""
-    counts = real.sum(1)  # (b,)
-    n, width, fill, start = counts.tolist(), int(counts.max()), [], [0] * len(counts)
-    for r in sorted(range(len(n)), key=lambda r: -n[r]):
-        i = next((i for i, f in enumerate(fill) if f + n[r] <= width), len(fill))
-        fill += [0] * (i == len(fill))
-        start[r], fill[i] = i * width + fill[i], fill[i] + n[r]
-    row = torch.repeat_interleave(torch.arange(len(counts), device=real.device), counts)  # (N,): each token's row
-    first = torch.cumsum(counts, 0) - counts  # (b,): each row's first token in the row-major order
-    where = torch.tensor(start, device=real.device)[row] + torch.arange(len(row), device=real.device) - first[row]
-    ids = query_responses.new_zeros(len(fill) * width).index_put((where,), query_responses[real])  # (n*L,)
-    positions = position_ids.new_zeros(len(fill) * width).index_put((where,), position_ids[real])  # (n*L,)
-    return ids.view(len(fill), width), positions.view(len(fill), width), where
+    if getattr(model, "pack", False):  # (--pack) the rows' real tokens laid end to end, no padding
+        return packed_forward(model, query_responses, position_ids, attention_mask.bool(), logits_to_keep, **kw)
+    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False, logits_to_keep=logits_to_keep, **kw)
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, support=None):
@@ -641,7 +604,7 @@ def rollout_passes(policy, ref_policy, critic, query_responses, attention_mask, 
     entropy = torch.full_like(logprobs, 0.0 if policy is not None else math.nan)  # (B, T): NaN until a pass fills it
     values_all = torch.zeros(B, T + 1, device=mask.device)  # (B, T+1)
     kept_pos, kept_tok, keep = [], [], None  # the sampler's support: (position in B*T, token id) pairs, not B x T x V
-    for rows in micro_batches(lengths, P, micro, budget):  # (b,) row indices each
+    for rows in micro_batches(lengths, P, micro, budget, packed_tokens(attention_mask, policy or ref_policy or critic)):
         t = int(lengths[rows].max())
         qr, am = query_responses[rows, :P + t], attention_mask[rows, :P + t]  # (b, P+t)
         if policy is not None:  # (skipped only where --keep-sampling-mask is off: `keep` stays None)
@@ -882,7 +845,8 @@ def minibatch_backward(policy, critic, rollout, mb_idx, P, args, amp=contextlib.
     world = dist.get_world_size() if dist.is_initialized() else 1  # FSDP averages gradients over ranks
     stats = dict(pg_loss=0.0, vf_loss=0.0, approxkl=0.0, pg_clip=0.0, vf_clip=0.0, ratio=0.0, ratio_dev=0.0,
                  tokens=0.0, ratio_dev_max=0.0, distill=0.0)
-    for part in micro_batches(lengths[mb_idx], P, args.micro_batch_size or len(mb_idx), args.micro_batch_tokens):
+    for part in micro_batches(lengths[mb_idx], P, args.micro_batch_size or len(mb_idx), args.micro_batch_tokens,
+                              packed_tokens(rollout.attention_mask[mb_idx], policy)):
         idx = mb_idx[part]  # (b,)
         t = int(lengths[idx].max())  # trim to the longest response of this micro-batch
         qr, am = rollout.query_responses[idx, :P + t], rollout.attention_mask[idx, :P + t]  # (b, P+t)
@@ -2256,22 +2220,29 @@ def join(parts, pad_id):
                    {k: cat([b.score_parts[k] for b in parts]) for k in parts[0].score_parts})
 
 
-# --- memory: micro-batches, the policy head in chunks ----------------------------------------
-def micro_batches(lengths, P, rows, budget=None):
-    """Each micro-batch's row indices: `rows` at a time, or packed by length to `budget` padded tokens (veRL's)."""
+# --- memory and padding: micro-batches, packed rows, the policy head in chunks ---------------
+def micro_batches(lengths, P, rows, budget=None, real=None):
+    """Each micro-batch's row indices: `rows` at a time, or by length to `budget` tokens: padded ones (veRL's), or
+    real ones where `real` gives each row's (packed passes)."""
     order = torch.arange(len(lengths), device=lengths.device)  # (B,)
     if budget is None:
         batches = list(order.split(rows))
     else:
         order, batches = lengths.argsort(descending=True, stable=True), []  # (B,): longest first
         while len(order):
-            n = max(1, budget // (P + int(lengths[order[0]])))  # the first row is the longest of its batch
+            n = max(1, budget // (P + int(lengths[order[0]])) if real is None else  # (the first row is the longest)
+                    int((real[order].cumsum(0) <= budget).sum()))
             batches, order = batches + [order[:n]], order[n:]
     most = global_max(float(len(batches)), lengths.device)  # one all-reduce on every rank
     while len(batches) < most:
         i = max(range(len(batches)), key=lambda j: len(batches[j]))
         batches[i: i + 1] = list(batches[i].chunk(2))
     return batches
+
+
+def packed_tokens(attention_mask, model):
+    """Each row's real tokens (B,) where `model` runs packed (a micro-batch's --micro-batch-tokens counts those)."""
+    return attention_mask.sum(1) if getattr(model, "pack", False) else None
 
 
 def head_states(model, query_responses, attention_mask, P):
@@ -2430,9 +2401,45 @@ def chunked_head_works(model, device):
     return torch.allclose(plain, chunked, atol=1e-4)
 
 
+def packed_forward(model, query_responses, position_ids, real, logits_to_keep, **kw):
+    """`forward` on the rows' real tokens (pack_rows); a pre-hook on the head lays its input out as rows again, so
+    the head, the critic's score and everything after them see what the padded forward gives."""
+    ids, positions, where = pack_rows(query_responses, position_ids, real)  # (n, L) each; where: (N,)
+
+    def unpack(head, inputs):  # (n, L, H) -> (b, P+T, H): each real token's state back in its row, 0 on padding
+        rows = inputs[0].new_zeros(*real.shape, inputs[0].shape[-1]).index_put((real,), inputs[0].flatten(0, 1)[where])
+        return (rows[:, -logits_to_keep:],)  # (b, keep, H): the last positions, as logits_to_keep (0: all)
+    hook = (model.seq_cls.score if isinstance(model, ValueModel) else model.get_output_embeddings()
+            ).register_forward_pre_hook(unpack, prepend=True)  # (before head_states' hook)
+    try:
+        return model(input_ids=ids, position_ids=positions, use_cache=False, **kw)
+    finally:
+        hook.remove()
+
+
+def pack_rows(query_responses, position_ids, real):
+    """The rows' real tokens (contiguous in each row: left-padded prompts, right-padded responses) end to end, in
+    lines no longer than the longest row (first fit, longest first: no line attends over more than a padded row
+    would). Positions restart at each row, so transformers keeps attention within it (sdpa, eager, flex: a mask from
+    the positions; flash-attention: varlen); a line's padded tail sits at position 0, rows of its own. Returns the
+    ids and positions (n, L) and where each real token (row-major) went in the lines, flattened (N,)."""
+    counts = real.sum(1)  # (b,)
+    n, width, fill, start = counts.tolist(), int(counts.max()), [], [0] * len(counts)
+    for r in sorted(range(len(n)), key=lambda r: -n[r]):
+        i = next((i for i, f in enumerate(fill) if f + n[r] <= width), len(fill))
+        fill += [0] * (i == len(fill))
+        start[r], fill[i] = i * width + fill[i], fill[i] + n[r]
+    row = torch.repeat_interleave(torch.arange(len(counts), device=real.device), counts)  # (N,): each token's row
+    first = torch.cumsum(counts, 0) - counts  # (b,): each row's first token in the row-major order
+    where = torch.tensor(start, device=real.device)[row] + torch.arange(len(row), device=real.device) - first[row]
+    ids = query_responses.new_zeros(len(fill) * width).index_put((where,), query_responses[real])  # (n*L,)
+    positions = position_ids.new_zeros(len(fill) * width).index_put((where,), position_ids[real])  # (n*L,)
+    return ids.view(len(fill), width), positions.view(len(fill), width), where
+
+
 def packing_works(model, device):
-    """Whether a model's packed forward is its padded one (its `pack` then set): attention kept within each row, which transformers builds
-    from the positions for most architectures (not GPT-2's). Three rows of 6, 3 and 3 tokens: two lines."""
+    """Whether a model's packed forward is its padded one (its `pack` then set): attention kept within each row, as
+    transformers builds it from the positions (else: padded). Three rows of 6, 3 and 3 tokens: two lines."""
     ids = (torch.arange(18, device=device).view(3, 6) * 7 + 2) % getattr(model, "seq_cls", model).config.vocab_size
     mask = torch.ones_like(ids)  # (3, 6)
     mask[1:, :2] = mask[1:, 5] = 0  # prompts left-padded, responses right-padded
@@ -2509,83 +2516,11 @@ def push_weights(llm, model, wake=False):
 
 
 # --- --async-steps: generation beside training ---------------------------------------------
-class Sampler:
+def Sampler(policy, tokenizer, args, device, ready=None):
     """A second process draws update u+1's batch with the weights after update u-1 while update u trains (AReaL's
-    one-step staleness). It reads the weights from shared memory: one copy, written only while it waits for a job,
-    so it never sees half an update. Batches come back through a queue; `ready` is one drawn ahead (a checkpoint's)."""
-    def __init__(self, policy, tokenizer, args, device, ready=None):
-        spawn = torch.multiprocessing.get_context("spawn")  # (a fork of a process whose OpenMP threads ran can hang)
-        self.weights = copy.deepcopy(policy).share_memory()  # (not frozen: a frozen copy rounds otherwise)
-        self.jobs, self.results, self.asked, self.ready, self.args, self.device, self.seconds = (
-            spawn.Queue(), spawn.Queue(), None, ready, args, device, 0.0)
-        self.cores = cores = torch.get_num_threads()  # on a CPU the cores are split: half each (until close)
-        torch.set_num_threads(max(1, cores - cores // 2))
-        self.process = spawn.Process(target=sampler_process, daemon=True, args=(
-            self.weights, tokenizer, args, device, max(1, cores // 2), os.getpid(), self.jobs, self.results))
-        stops = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}  # ignored from
-        self.process.start()  # its first instruction (inherited): the trainer stops the run; the sampler ends after
-        for sig, handler in stops.items():
-            signal.signal(sig, handler)
-
-    def ask(self, update, policy, prompt_ids):
-        with torch.no_grad():  # the sampler waits for a job now: the copy is whole before it reads
-            for mine, new in zip(self.weights.parameters(), policy.parameters()):
-                mine.copy_(new)
-        if self.device.type == "cuda":  # (the copies done before another process reads them)
-            torch.cuda.synchronize(self.device)
-        self.jobs.put((update, prompt_ids))
-        self.asked = update
-
-    def wait(self):
-        """The batch in flight, once drawn: (update, `generate`'s tensors on the CPU), or None when none is."""
-        while self.asked is not None:
-            try:
-                update, drawn, self.seconds = self.results.get(timeout=1)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    fail(f"the sampler process died (exit code {self.process.exitcode}) drawing update "
-                         f"{self.asked}'s batch; nothing written is lost: --resume auto continues from the newest "
-                         "checkpoint, if there is one")
-                continue
-            if isinstance(drawn, str):
-                fail(f"the sampler process failed drawing update {update}'s batch: {drawn}")
-            self.ready, self.asked = (update, drawn), None
-        return self.ready
-
-    def take(self, update, policy, prompt_ids, last):
-        """Update `update`'s batch on the trainer's device; then the next is asked of the weights now in `policy`."""
-        args = self.args  # (one process: rank 0, the whole batch)
-        prompts_of = lambda u: [prompt_ids[i] for i in prompt_order(u, len(prompt_ids), args, 0, args.batch_size)]
-        if self.ready is None and self.asked is None:  # a run's first update: drawn now, by the first weights
-            self.ask(update, policy, prompts_of(update))
-        (drawn_update, drawn), self.ready = self.wait(), None
-        if drawn_update != update:  # (a bug, not bad input; not an assert, which python -O drops)
-            raise RuntimeError(f"update {update} was given the batch of update {drawn_update}")
-        if not last:
-            self.ask(update + 1, policy, prompts_of(update + 1))
-        return [x.to(self.device) if torch.is_tensor(x) else x for x in drawn]
-
-    def close(self):
-        self.jobs.put(None)  # (it ends by itself too, within a second of this process)
-        torch.set_num_threads(self.cores)
-
-
-def sampler_process(policy, tokenizer, args, device, threads, trainer, jobs, results):
-    """The sampler's loop: phase 1 for each (update, prompt ids) asked, on a random stream keyed by (seed, update)."""
-    torch.set_num_threads(threads)
-    while os.getppid() == trainer:  # (a trainer killed by SIGKILL leaves no orphan)
-        try:
-            job = jobs.get(timeout=1)
-        except queue.Empty:
-            continue
-        if job is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            drawn = draw(policy, tokenizer, job[1], args, job[0], device)
-            results.put((job[0], [x.cpu() if torch.is_tensor(x) else x for x in drawn], time.perf_counter() - t0))
-        except Exception as e:  # (sent back: the trainer names it in one line)
-            results.put((job[0], f"{type(e).__name__}: {e}", 0.0))
+    one-step staleness); its plumbing is asyncsampler.py's. `ready` is one drawn ahead (a checkpoint's)."""
+    import asyncsampler
+    return asyncsampler.Sampler(policy, tokenizer, args, device, ready, draw, prompt_order, fail)
 
 
 def draw(policy, tokenizer, prompt_ids, args, update, device):
@@ -2618,6 +2553,9 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
     stats = {k: global_sum(torch.tensor(v, dtype=torch.float64, device=device)).item() for k, v in stats.items()}
     n = max(stats["tokens"], 1)  # (0 when --overlong-filter dropped every response: nothing was trained)
     explained_variance = 1 - masked_var(returns - rollout.values, mask) / masked_var(returns, mask).clamp(min=1e-8)
+    P = rollout.query_responses.shape[1] - mask.shape[1]  # phase 3's micro-batches as --no-pack pads them: each row
+    padded = sum(len(r) * (P + int(lengths[r].max())) for r in micro_batches(  # at their longest prompt and response
+        lengths, P, args.micro_batch_size or len(lengths) // args.num_minibatches, args.micro_batch_tokens))
     row = {"step": update, "episode": update * args.batch_size, "objective/scores": scores.mean().item(),
            **({} if no_reference(args) else {  # (beta 0: no reference was run, so no KL to report)
                "objective/kl": rollout.kl.sum(1).mean().item(),  # --kl-estimator's, summed over each response
@@ -2640,6 +2578,7 @@ def metrics_row(update, args, rollout, stats, epoch_clipfrac, health, skipped_st
            "ppo/val/response_length": mask.sum(1).mean().item(),  # the agent's tokens
            "lr/actor": lr, "ppo/skipped_steps": skipped_steps, **times,
            "time/generated_tokens": global_sum(mask.sum().long()).item(), "time/trained_tokens": stats["tokens"],
+           "time/padding_share": 1 - rollout.attention_mask.sum().item() / padded,  # what --pack's passes skip
            "mem/peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # per rank
                            else peak_rss_mb())}
     if rollout.engine_logprobs is not None and args.old_logprobs != "sampler":  # (sampler: no trainer's to compare;
@@ -2957,58 +2896,11 @@ def find_run(args, rank, world, log):
 
 
 def choose_checkpoint(args, run_dir, log):
-    """Rank 0: lock an existing run folder, clear what a killed save left, and pick the checkpoint to resume."""
-    if os.path.isdir(run_dir):
-        try:
-            lock_run(run_dir)
-        except ValueError as e:  # (another process holds it)
-            fail(str(e))
-        clear_leftovers(os.path.join(run_dir, "checkpoints"))
-    checkpoints = list_checkpoints(os.path.join(run_dir, "checkpoints"))
-    if args.resume is None:
-        if checkpoints or any(line.strip() for line in open_or_empty(os.path.join(run_dir, "metrics.jsonl"))):
-            fail(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another --run-name")
-        return None
-    if args.resume == "auto":
-        for path in reversed(checkpoints):  # newest first
-            damage = checkpoint_damage(path)
-            if damage is None:
-                log(f"--resume auto: {path}")
-                check_same_flags(args, path)
-                return path
-            log(f"warning: {path} is damaged ({damage}); trying the checkpoint before it")
-        if checkpoints:
-            fail(f"no whole checkpoint in {run_dir}/checkpoints (all {len(checkpoints)} damaged): use a new --run-name")
-        log("--resume auto: no checkpoint yet, starting fresh")
-        return None
-    damage = checkpoint_damage(args.resume)
-    if damage is not None:
-        fail(f"--resume {args.resume!r} is not a whole checkpoint ({damage}): pass runs/<run>/checkpoints/step_<k>")
-    check_same_flags(args, args.resume)
-    return args.resume
-
-
-# flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes)
-RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
-                     "logprob_chunk", "micro_batch_tokens", "sample_every", "eval_every", "eval_greedy", "eval_samples",
-                     "pass_threshold", "keep_best", "save_every", "keep_checkpoints", "max_nonfinite_steps",
-                     "micro_batch_size", "gradient_checkpointing", "shard_frozen", "offload_frozen", "precision",
-                     "sampler_precision", "vllm", "vllm_gpu_memory_utilization", "vllm_sleep", "trust_remote_code"}
-
-
-def check_same_flags(args, ckpt):
-    """Refuse to resume a checkpoint of ppo.py before sharded ones, or with flags that change what the run computes
-    (each difference listed)."""
-    if not os.path.isdir(os.path.join(ckpt, "shards")):
-        fail(f"{ckpt} is a gathered checkpoint of ppo.py before sharded ones (issue 55): resume it with that ppo.py "
-             f"(git log -- ppo.py), or start a new run from its weights: --model {ckpt}/policy")
-    saved = json.load(open(os.path.join(ckpt, "flags.json")))
-    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as they were saved
-    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(saved))
-             if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]  # (a flag gone since: --rollout-is-cap)
-    if diffs:
-        fail(f"{ckpt} was written with other flags ({'; '.join(diffs)}): resume with the run's own flags "
-             f"(its config.json), or start a new --run-name")
+    """Rank 0: lock the run folder, clear what a killed save left, pick the checkpoint (runfiles.py's)."""
+    try:
+        return checkpoint_to_resume(asdict(args), run_dir, log)
+    except ValueError as e:
+        fail(str(e))
 
 
 def restore(resume_dir, models, optimizers, schedulers, scaler, keep_best):

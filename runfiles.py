@@ -24,8 +24,8 @@ def lock_run(run_dir):
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.seek(0)
-        raise ValueError(f"{run_dir}/ is in use by another process ({f.read().strip() or 'unknown'}): wait for it to end "
-             "or stop it, or pick another --run-name")
+        raise ValueError(f"{run_dir}/ is in use by another process ({f.read().strip() or 'unknown'}): wait for it to "
+                         "end or stop it, or pick another --run-name")
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
@@ -115,3 +115,61 @@ def replace_file(path, text):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+
+
+def choose_checkpoint(flags, run_dir, log):
+    """Rank 0: lock an existing run folder, clear what a killed save left, and pick the checkpoint to resume (None:
+    a fresh run) for the run's flags (ppo.Args as a dict)."""
+    if os.path.isdir(run_dir):
+        lock_run(run_dir)
+        clear_leftovers(os.path.join(run_dir, "checkpoints"))
+    checkpoints = list_checkpoints(os.path.join(run_dir, "checkpoints"))
+    if flags["resume"] is None:
+        if checkpoints or os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and any(
+                line.strip() for line in open(os.path.join(run_dir, "metrics.jsonl"))):
+            raise ValueError(f"{run_dir}/ already holds a run: continue it with --resume auto, or pick another "
+                             "--run-name")
+        return None
+    if flags["resume"] == "auto":
+        for path in reversed(checkpoints):  # newest first
+            damage = checkpoint_damage(path)
+            if damage is None:
+                log(f"--resume auto: {path}")
+                check_same_flags(flags, path)
+                return path
+            log(f"warning: {path} is damaged ({damage}); trying the checkpoint before it")
+        if checkpoints:
+            raise ValueError(f"no whole checkpoint in {run_dir}/checkpoints (all {len(checkpoints)} damaged): use a "
+                             "new --run-name")
+        log("--resume auto: no checkpoint yet, starting fresh")
+        return None
+    damage = checkpoint_damage(flags["resume"])
+    if damage is not None:
+        raise ValueError(f"--resume {flags['resume']!r} is not a whole checkpoint ({damage}): pass "
+                         "runs/<run>/checkpoints/step_<k>")
+    check_same_flags(flags, flags["resume"])
+    return flags["resume"]
+
+
+# flags that may differ when a run is resumed: how it is run, not what it computes (and --total-episodes)
+RESUMABLE_CHANGES = {"total_episodes", "resume", "run_name", "exp_name", "debug", "track", "wandb_project",
+                     "logprob_chunk", "micro_batch_tokens", "sample_every", "eval_every", "eval_greedy", "eval_samples",
+                     "pass_threshold", "keep_best", "save_every", "keep_checkpoints", "max_nonfinite_steps",
+                     "micro_batch_size", "gradient_checkpointing", "shard_frozen", "offload_frozen", "precision",
+                     "sampler_precision", "pack", "vllm", "vllm_gpu_memory_utilization", "vllm_sleep",
+                     "trust_remote_code"}
+
+
+def check_same_flags(flags, ckpt):
+    """Refuse to resume a checkpoint of ppo.py before sharded ones, or with flags that change what the run computes
+    (each difference listed)."""
+    if not os.path.isdir(os.path.join(ckpt, "shards")):
+        raise ValueError(f"{ckpt} is a gathered checkpoint of ppo.py before sharded ones (issue 55): resume it with "
+                         f"that ppo.py (git log -- ppo.py), or start a new run from its weights: --model {ckpt}/policy")
+    saved = json.load(open(os.path.join(ckpt, "flags.json")))
+    now = json.loads(json.dumps(flags))  # tuples as lists, as they were saved
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(saved))
+             if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]  # (a flag gone since: --rollout-is-cap)
+    if diffs:
+        raise ValueError(f"{ckpt} was written with other flags ({'; '.join(diffs)}): resume with the run's own "
+                         "flags (its config.json), or start a new --run-name")

@@ -1200,7 +1200,7 @@ def trl_learning_summary(key, seeds):
 OLD_PATH = ("--old-logprobs", "recompute", "--unread-reference", "--no-fused-adamw")
 
 
-def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None):
+def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None, with_floor=True):
     """Issues 42 and 52, speed and memory at equal work: one process at a time on the whole machine, alternating,
     without gradient checkpointing on either side. TRL's settings (beta 0.04, 2 minibatches) and TRL's default beta 0
     (neither loads a reference): ppo.py's new defaults, with --old-logprobs sampler, the path before issue 52 by flags,
@@ -1217,7 +1217,9 @@ def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None):
         "ppo_grpo_b0": ("ppo_grpo", b0, ()), "ppo_grpo_b0_sampler": ("ppo_grpo", b0, ("--old-logprobs", "sampler")),
         "ppo_grpo_b0_old": ("ppo_grpo", b0, OLD_PATH),
         "trl_grpo_b0": ("trl_grpo", b0, ("--gradient-checkpointing", "0")),
-        "ppo_gae": ("ppo_gae", a, ()), "ppo_gae_old": ("ppo_gae", a, OLD_PATH)}
+        "ppo_gae": ("ppo_gae", a, ()), "ppo_gae_old": ("ppo_gae", a, OLD_PATH),
+        "ppo_grpo_nopack": ("ppo_grpo", a, ("--no-pack",)), "ppo_grpo_b0_nopack": ("ppo_grpo", b0, ("--no-pack",)),
+        "ppo_gae_nopack": ("ppo_gae", a, ("--no-pack",))}
     arms = {arm: every[arm] for arm in (arms or every)}
     runs = {arm: [] for arm in [*arms, "floor"]}
     for r in range(rounds):
@@ -1228,6 +1230,8 @@ def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None):
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             runs[arm] += trl_update_rows(trainer, name)[1:]
             print(arm, r, runs[arm][-1], flush=True)
+        if not with_floor:
+            continue
         floor = subprocess.run([sys.executable, "-c", "import json, sys, tyro, bench, ppo; print(json.dumps(bench."
                                 "measure_floor(tyro.cli(ppo.Args, args=sys.argv[2:]), int(sys.argv[1]))))",
                                 str(updates), "--model", a.model, *trl_grpo.ppo_flags(a)], cwd=ROOT, check=True,

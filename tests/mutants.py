@@ -22,7 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MUTATED = ("ppo.py", "gae.py", "adapters.py", "sandbox.py", "tools.py")
+MUTATED = ("ppo.py", "gae.py", "adapters.py", "sandbox.py", "tools.py", "asyncsampler.py", "runfiles.py")
 # (name, file, the text as it is, the text as the bug has it): each text occurs exactly once in its file
 MUTANTS = [
     # temperature: every log-prob and the entropy come from logits / T
@@ -42,8 +42,10 @@ MUTANTS = [
      "    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # (b, P+T)",
      "    position_ids = torch.arange(attention_mask.shape[1]).expand_as(attention_mask)"),
     ("position-ids-not-passed", "ppo.py",
-     "attention_mask=attention_mask, position_ids=position_ids,\n                 use_cache=False, **kw)",
-     "attention_mask=attention_mask, position_ids=None,\n                 use_cache=False, **kw)"),
+     "attention_mask=attention_mask, position_ids=position_ids,\n                 use_cache=False, logits_to_keep",
+     "attention_mask=attention_mask, position_ids=None,\n                 use_cache=False, logits_to_keep"),
+    ("packed-rows-attend-across", "ppo.py",  # positions counted along the packed line: one row attends to another
+     "model(input_ids=ids, position_ids=positions, use_cache=False", "model(input_ids=ids, position_ids=None, use_cache=False"),
     # the KL at its call sites
     ("kl-swapped-in-reward", "ppo.py",
      "else kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask",
@@ -274,7 +276,7 @@ MUTANTS = [
     ("decoupled-clamps-above-the-cap", "ppo.py", 'behav_imp_weight_cap", 0.0, 5.0)',  # TIS, not AReaL's zeroing
      'behav_imp_weight_cap", None, 5.0)'),
     # --async-steps 1: the sampler draws with the weights of two updates before; the batch in flight is checkpointed
-    ("sampler-never-gets-new-weights", "ppo.py", "                mine.copy_(new)", "                pass"),
+    ("sampler-never-gets-new-weights", "asyncsampler.py", "                mine.copy_(new)", "                pass"),
     ("batch-in-flight-not-restored", "ppo.py", 'best, state.get("drawn")', "best, None"),
     ("masked-tokens-stay-in-the-losses", "ppo.py", "rollout.kept if args.rollout_correction else rollout.mask",
      "rollout.mask"),
@@ -355,7 +357,7 @@ MUTANTS = [
      "kl = 0 * mask if False else"),
     ("beta-0-kl-in-loss-through-a-zero-reference", "ppo.py", "if args.kl_in_loss and not no_reference(args):",
      "if args.kl_in_loss:"),
-    ("sampler-keeps-half-the-threads", "ppo.py", "        torch.set_num_threads(self.cores)\n", ""),
+    ("sampler-keeps-half-the-threads", "asyncsampler.py", "        torch.set_num_threads(self.cores)\n", ""),
     ("checkpoint-of-non-finite-state", "ppo.py", "if global_sum(sum((~x.isfinite()).sum() for x in local",
      "if 0 * global_sum(sum((~x.isfinite()).sum() for x in local"),
     ("dual-clip-tie-takes-the-whole-gradient", "ppo.py",
@@ -409,8 +411,8 @@ NOT_KILLERS = ["--ignore=tests/test_docs.py", "--deselect=tests/test_e2e.py::tes
 
 def scratch_copy():
     root = tempfile.mkdtemp(prefix="mutants_")
-    for name in ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "toy.py", "chain.py", "guess.py", "bench.py",
-                 "smollm2.py", "sandbox.py", "tools.py", "README.md"):
+    for name in ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "asyncsampler.py", "toy.py", "chain.py", "guess.py",
+                 "bench.py", "smollm2.py", "sandbox.py", "tools.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), root)
     shutil.copytree(os.path.join(ROOT, "docs"), os.path.join(root, "docs"))
     shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(root, "tests"),

@@ -97,7 +97,7 @@ def main():
     parser.add_argument("--tol", type=float, default=0.0, help="floats may differ by tol x max(1, |value|)")
     opts = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="same_numbers_")
-    for name in ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "toy.py", "chain.py", "guess.py"):
+    for name in ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "asyncsampler.py", "toy.py", "chain.py", "guess.py"):
         src = subprocess.run(["git", "show", f"{opts.ref}:{name}"], cwd=ROOT, capture_output=True, text=True)
         if src.returncode == 0:  # (a world newer than REF is not needed by its ppo.py)
             open(os.path.join(scratch, name), "w").write(src.stdout)

@@ -123,7 +123,7 @@ def test_a_name_that_no_branch_reads_fails_in_one_line_before_any_model_loads(fi
 
 def test_a_forks_new_name_without_its_branch_is_refused_on_the_command_line(world, tmp_path):
     """The whole path a fork takes: k4 added to --kl-estimator's choices, no branch written: exit 2, one line."""
-    for name in ("gae.py", "adapters.py", "runfiles.py", "toy.py"):
+    for name in ("gae.py", "adapters.py", "runfiles.py", "asyncsampler.py", "toy.py"):
         shutil.copy(name, tmp_path)
     source = open("ppo.py").read().replace('kl_estimator: Opt(Literal["k1", "k2", "k3", "abs"])',
                                            'kl_estimator: Opt(Literal["k1", "k2", "k3", "abs", "k4"])')

@@ -123,7 +123,7 @@ def test_a_renamed_copy_trains_on_a_reasoning_gym_task_with_its_own_reward(tmp_p
     the copy's default reward is adapters.py's (nothing names the module `ppo`), its runs log under the copy's name."""
     import real_models
     model = real_models.build("qwen2")  # a chat model on a real tokenizer (before the copy: it is built here)
-    for name in ("gae.py", "adapters.py", "runfiles.py"):
+    for name in ("gae.py", "adapters.py", "runfiles.py", "asyncsampler.py"):
         shutil.copy(name, tmp_path)
     shutil.copy("ppo.py", tmp_path / "ppo_idea.py")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

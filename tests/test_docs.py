@@ -154,7 +154,8 @@ PLUMBING = {"fail", "rank_and_world", "vllm_generate", "reward_fn_scores", "rewa
             "env_call", "env_step", "first_observation", "observation_ids", "question", "pick", "join",
             "sampling_support", "dense_support", "pack_support", "kept_pairs", "head_chunk", "HeadLogprobs",
             "micro_batches", "chunked_logprobs", "global_max", "play", "no_reference", "sampler_autocast",
-            "refill_order", "head_states", "head_logits", "KeyedSampler", "response_lengths"}
+            "refill_order", "head_states", "head_logits", "KeyedSampler", "response_lengths", "packed_forward",
+            "packed_tokens"}
 
 
 @pytest.mark.fast
@@ -195,7 +196,7 @@ def test_the_readmes_first_fork_recipe_learns_the_toy_world(tmp_path):
     """REINFORCE++-baseline as the README's diff writes it: the fork runs without a critic and its gold rises."""
     from test_data_rewards import gold_gain_beyond_noise
     fork = apply_recipe(open("README.md").read(), open("ppo.py").read())
-    for name in ("gae.py", "adapters.py", "runfiles.py", "toy.py"):
+    for name in ("gae.py", "adapters.py", "runfiles.py", "asyncsampler.py", "toy.py"):
         shutil.copy(name, tmp_path)
     (tmp_path / "ppo.py").write_text(fork)
     shutil.rmtree("runs/test_fork", ignore_errors=True)
@@ -365,7 +366,7 @@ def test_no_doc_names_a_path_outside_the_repository():
 def test_the_readme_tells_a_newcomer_what_the_code_does():
     readme = open("README.md").read()
     fork = readme.split("## How to fork it")[1].split("\n## ")[0]
-    copy = ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "toy.py")  # all a fork copies
+    copy = ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "asyncsampler.py", "toy.py")  # all a fork copies
     assert all(f"`{name}`" in fork.split(";")[0] for name in copy)
     setup = readme.split("## Two commands")[1].split("**What you will see.**")[0]
     assert "vLLM is optional" in setup and "skip without it" in setup

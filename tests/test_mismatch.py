@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ppo
+import runfiles
 from fp32 import EPS, assert_close_fp32, logprob_tolerance
 from test_in_process import run_main
 from test_ppo_parts import checked, rollout_batch
@@ -212,10 +213,10 @@ def test_a_checkpoint_of_the_old_cap_flag_is_not_resumed_without_it(tmp_path):
     for cap, refused in ((2.0, True), (None, False)):
         json.dump({**saved, "rollout_is_cap": cap}, open(tmp_path / "flags.json", "w"))
         if refused:
-            with pytest.raises(ppo.UsageError, match=r"--rollout-is-cap 2\.0 -> None"):
-                ppo.check_same_flags(args, str(tmp_path))
+            with pytest.raises(ValueError, match=r"--rollout-is-cap 2\.0 -> None"):
+                runfiles.check_same_flags(ppo.asdict(args), str(tmp_path))
         else:
-            ppo.check_same_flags(args, str(tmp_path))
+            runfiles.check_same_flags(ppo.asdict(args), str(tmp_path))
 
 
 @pytest.mark.fast
