@@ -2443,12 +2443,12 @@ def packing_works(model, device):
     ids = (torch.arange(18, device=device).view(3, 6) * 7 + 2) % getattr(model, "seq_cls", model).config.vocab_size
     mask = torch.ones_like(ids)  # (3, 6)
     mask[1:, :2] = mask[1:, 5] = 0  # prompts left-padded, responses right-padded
-    out = []
+    out, value = [], isinstance(model, ValueModel)
     for model.pack in (False, True):
-        with torch.no_grad():
-            out.append(state_values(model, ids, mask, 3)[:, :3] if isinstance(model, ValueModel) else
-                       policy_logprobs(model, ids, mask, 3, 1.0)[0])  # (3, 3)
-    model.pack = torch.allclose(*(x * mask[:, 3:] for x in out), atol=1e-4)  # (else its passes run padded)
+        with torch.no_grad():  # the last 3 positions' logits (3, 3, V), or values (3, 3, 1)
+            y = forward(model, ids, mask, logits_to_keep=0 if value else 3)
+            out.append(y[:, 3:, None] if value else y.logits)
+    model.pack = torch.allclose(*(x * mask[:, 3:, None] for x in out), atol=1e-4)  # (else its passes run padded)
     return model.pack
 
 

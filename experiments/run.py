@@ -10,6 +10,7 @@
     python experiments/run.py trl trlspeed   # issue 42: beside TRL's GRPOTrainer (.venv-trl, docs/trl.md); trlquick
     python experiments/run.py critic      # issue 53: the critic against GRPO and RLOO on equal terms; criticquick
     python experiments/run.py distill     # issue 63: on-policy distillation against RL on SmolLM2 gcd
+    python experiments/run.py packspeed packtasks packlearn  # issue 65: packed passes beside TRL, by task, learning
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -63,6 +64,10 @@
    RL (rgym's recipe, evaluated every 3 updates), seed 1, whose final policy is the teacher; then the untrained
    student distilled from it by the reward form and by the loss form, 3 seeds each, at RL's batch and learning rate,
    9 updates, with no task score in training (`held_out_score`): held-out pass@1 and pass@4 against updates.
+33-35. issue 65, packed passes (docs/performance.md): packspeed: trlspeed's arms packed (the default) and with
+   --no-pack beside TRL, at beta 0.04 and 0, the critic's arm too, two rounds; packtasks: the padding share and
+   seconds an update by task (toy, guess, basic_arithmetic at a 128-token limit);
+   packlearn: the toy world's gold and the chain world's held-out accuracy, packed and not, 3 seeds each.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
 its summary to experiments/results.json (the numbers experiments/README.md and docs/ quote).
 """
@@ -1078,8 +1083,8 @@ def trl_update_rows(arm, name):
                 for r in rows]
     return [{"score": r["objective/scores"], "s": r["time/rollout_s"] + r["time/update_s"] + r["time/push_s"]
              + r["time/log_s"], "cpu_s": r["time/cpu_s"], "peak_mb": r["mem/peak_mb"], "rollout_s": r["time/rollout_s"],
-             "generate_s": r["time/generate_s"], "train_s": r["time/update_s"], "tokens": r["time/generated_tokens"]}
-            for r in rows]
+             "generate_s": r["time/generate_s"], "train_s": r["time/update_s"], "tokens": r["time/generated_tokens"],
+             **({"padding": r["time/padding_share"]} if "time/padding_share" in r else {})} for r in rows]
 
 
 def trl_evaluate(policy, name, trl_grpo, a, env):
@@ -1256,7 +1261,15 @@ def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None, with_floor=True
                      "b0 old/trl_s": ratio("ppo_grpo_b0_old", "trl_grpo_b0"),
                      "gae new/old_s": ratio("ppo_gae", "ppo_gae_old"),
                      "gae new/old_peak": ratio("ppo_gae", "ppo_gae_old", "peak_mb"),
-                     "ppo/floor_s": ratio("ppo_grpo", "floor"), "floor/trl_s": ratio("floor", "trl_grpo")}
+                     "ppo/floor_s": ratio("ppo_grpo", "floor"), "floor/trl_s": ratio("floor", "trl_grpo"),
+                     "nopack/trl_s": ratio("ppo_grpo_nopack", "trl_grpo"),
+                     "nopack/trl_peak": ratio("ppo_grpo_nopack", "trl_grpo", "peak_mb"),
+                     "b0 nopack/trl_s": ratio("ppo_grpo_b0_nopack", "trl_grpo_b0"),
+                     "b0 nopack/trl_peak": ratio("ppo_grpo_b0_nopack", "trl_grpo_b0", "peak_mb"),
+                     "pack/nopack_s": ratio("ppo_grpo", "ppo_grpo_nopack"),
+                     "pack/nopack_peak": ratio("ppo_grpo", "ppo_grpo_nopack", "peak_mb"),
+                     "gae pack/nopack_s": ratio("ppo_gae", "ppo_gae_nopack"),
+                     "gae pack/nopack_peak": ratio("ppo_gae", "ppo_gae_nopack", "peak_mb")}
     print(json.dumps(out, indent=1), flush=True)
     return out
 
@@ -1719,6 +1732,63 @@ def distill_figure(record):
 
 
 
+# --- issue 65: packed passes ---
+PACK_ARMS = ("ppo_grpo", "ppo_grpo_nopack", "trl_grpo", "ppo_grpo_b0", "ppo_grpo_b0_nopack", "trl_grpo_b0", "ppo_gae",
+             "ppo_gae_nopack")
+
+
+def pack_speed():
+    """Issue 65 beside TRL 1.12's GRPOTrainer at trlspeed's settings (one process at a time, alternating, two rounds):
+    ppo.py's default (packed) and --no-pack, at beta 0.04 and 0, and the critic's arm packed and not; the padding
+    share of each of ppo.py's."""
+    return trl_speed("trl_speed65", updates=5, arms=PACK_ARMS, with_floor=False)
+
+
+def pack_tasks(updates=4):
+    """Issue 65, docs/performance.md's table by task: the padding share and seconds an update, packed and with
+    --no-pack, one process at a time: the toy world and the guess world at their defaults, and basic_arithmetic at
+    trlspeed's settings but a 128-token limit (SmolLM2: longer, more varied responses); gcd is packspeed's. Medians
+    of updates 2..N."""
+    out = {}
+    trl_grpo, b = trl_task(updates, 1, eval_size=128, task="basic_arithmetic")
+    b.response_length = 128
+    tasks = {"toy": ["--total-episodes", str(64 * updates)],
+             "guess": ["--model", "guess", "--total-episodes", str(64 * updates)],
+             "basic_arithmetic_128": ["--model", b.model, *trl_grpo.ppo_flags(b)]}
+    for task, flags in tasks.items():
+        for arm, extra in (("pack", []), ("nopack", ["--no-pack"])):
+            rows, _ = train(f"exp_pack_{task}_{arm}", *flags, *extra)
+            rows = rows[1:]
+            out[f"{task} {arm}"] = {"s": float(np.median([r["time/rollout_s"] + r["time/update_s"] for r in rows])),
+                                    "passes_s": float(np.median([r["time/rollout_s"] - r["time/generate_s"]
+                                                                 + r["time/update_s"] for r in rows])),
+                                    "padding": float(np.mean([r["time/padding_share"] for r in rows])),
+                                    "peak_mb": max(r["mem/peak_mb"] for r in rows)}
+            print(task, arm, out[f"{task} {arm}"], flush=True)
+    return out
+
+
+def pack_learning(seeds=(1, 2, 3)):
+    """Issue 65: packed passes learn as --no-pack does. The toy world at its defaults (gold over the last 10 updates)
+    and the chain world (80 updates, accuracy on 256 evaluation prompts at the end), 3 seeds each, two runs at a time
+    on one thread each."""
+    toy = parallel_runs([(f"exp_pack65_toy_{arm}_s{seed}", ["--seed", str(seed), *extra], {}) for seed in seeds
+                         for arm, extra in (("pack", []), ("nopack", ["--no-pack"]))])
+    out = {}
+    for arm in ("pack", "nopack"):
+        gold = [float(np.mean([r["objective/gold"] for r in toy[f"exp_pack65_toy_{arm}_s{seed}"][0][-10:]]))
+                for seed in seeds]
+        out[f"toy_{arm}"] = {"gold_last10_per_seed": gold, "mean": float(np.mean(gold)), "std": float(np.std(gold))}
+    base = [*updates("chaincritic"), "--eval-every", str(CHAIN_UPDATES["chaincritic"]), "--eval-size", "256"]
+    runs = chain_runs("pack65", {"pack": base, "nopack": [*base, "--no-pack"]}, seeds, reward_fn="chain:reward")
+    for arm, r in runs.items():
+        evals = [rows[-1]["eval/reward_fn"] for rows, _, _ in r]
+        out[f"chain_{arm}"] = {**summarise(r), "eval_per_seed": evals, "eval_mean": float(np.mean(evals)),
+                               "eval_std": float(np.std(evals))}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:] or ["kl", "clip", "toycritic"]
     path = os.path.join(HERE, "results.json")
@@ -1733,7 +1803,8 @@ if __name__ == "__main__":
                      ("trlspeed", trl_speed), ("trlquick", trl_quick), ("trl52", trl_new_defaults),
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
                      ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory),
-                     ("distill", distill_runs), ("distilltrl", distill_trl), ("tools", tool_runs)):
+                     ("distill", distill_runs), ("distilltrl", distill_trl), ("tools", tool_runs),
+                     ("packspeed", pack_speed), ("packtasks", pack_tasks), ("packlearn", pack_learning)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)

@@ -1,13 +1,15 @@
 """Packed passes (issue 65): each forward on the rows' real tokens laid end to end, no padding, gives the padded
 path's log-probs, entropies, values and gradients to fp32's rounding (tests/fp32.py), on rows of very different
 prompt and response lengths, for each attention implementation transformers builds the packed mask for."""
+import math
+
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, LlamaConfig,
                           MistralConfig, Qwen2Config)
 
 import ppo
-from fp32 import assert_close_fp32
+from fp32 import assert_close_fp32, logprob_tolerance
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -101,3 +103,34 @@ def test_a_packed_run_logs_the_padded_runs_rows(world, flags):
     runs = [run_main(f"test_pack_{world}_{pack}", model=world, total_episodes=192, pack=pack, **flags)
             for pack in (False, True)]
     assert_same_run(runs[1], runs[0])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
+def test_a_packed_minibatch_gives_the_padded_losses_and_gradients(world, policy_loss, loss_agg):
+    """Phase 7 on a real toy rollout (prompts and responses of several lengths), with the critic, the entropy bonus
+    and the KL in the loss, in micro-batches of a token budget (packed: of real tokens, so split otherwise): every
+    loss statistic and every gradient within fp32's rounding of the padded path's."""
+    from test_ppo_parts import checked, rollout_batch
+    policy, critic, rollout, P = rollout_batch(world)
+    g = torch.Generator().manual_seed(1)
+    rollout.ref_logprobs = rollout.logprobs + 0.05 * torch.randn(rollout.mask.shape, generator=g) * rollout.mask
+    rollout.has_eos, rollout.kl_coef = torch.ones(len(rollout.mask), dtype=torch.bool), 0.05
+    assert len(set(rollout.attention_mask[:, :P].sum(1).tolist())) > 1 and len(set(rollout.lengths.tolist())) > 1
+    args = checked(policy_loss=policy_loss, loss_agg=loss_agg, kl_in_loss=True, ent_coef=0.01,
+                   micro_batch_tokens=3 * (P + rollout.mask.shape[1]))
+    runs = []
+    for pack in (False, True):
+        policy.pack = critic.pack = pack
+        policy.zero_grad(), critic.zero_grad()
+        stats = ppo.minibatch_backward(policy, critic, rollout, torch.arange(len(rollout.mask)), P, args)
+        runs.append((stats, [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (policy, critic)]))
+    (padded, padded_grads), (packed, packed_grads) = runs
+    n = max(policy.config.hidden_size, policy.config.intermediate_size) * rollout.attention_mask.numel()
+    for k in ("pg_loss", "vf_loss", "ratio", "tokens"):
+        assert_close_fp32(torch.tensor(packed[k]), torch.tensor(padded[k]), n, k)
+    tol = logprob_tolerance(policy, args.temperature)  # the old log-probs' own pass: the ratio is 1 but for rounding
+    assert packed["approxkl"] / packed["tokens"] <= tol ** 2 / 2 and packed["ratio_dev_max"] <= math.expm1(tol)
+    for a, b in zip(packed_grads, padded_grads):
+        assert_close_fp32(a, b, n)

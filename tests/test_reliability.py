@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ppo
+import runfiles
 
 FLAGS = ["--total-episodes", "384", "--batch-size", "64", "--save-every", "3", "--sample-every", "1"]
 QUICK = dict(total_episodes=32, batch_size=16, response_length=8, num_ppo_epochs=1, sample_every=0, save_every=0)
@@ -102,7 +103,7 @@ def test_explicit_resume_of_an_earlier_step_replaces_the_later_ones(straight):
     root = copy_run(straight, "test_branch")
     out = cli("--run-name", "test_branch", *FLAGS, "--resume", f"{root}/step_3")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert rows("test_branch") == rows(straight) and ppo.checkpoint_damage(f"{root}/step_6") is None
+    assert rows("test_branch") == rows(straight) and runfiles.checkpoint_damage(f"{root}/step_6") is None
     assert sorted(os.listdir(root)) == ["step_3", "step_6"]  # nothing left under another name
 
 
