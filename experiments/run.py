@@ -10,7 +10,7 @@
     python experiments/run.py trl trlspeed   # issue 42: beside TRL's GRPOTrainer (.venv-trl, docs/trl.md); trlquick
     python experiments/run.py critic      # issue 53: the critic against GRPO and RLOO on equal terms; criticquick
     python experiments/run.py distill     # issue 63: on-policy distillation against RL on SmolLM2 gcd
-    python experiments/run.py packspeed packtasks packlearn  # issue 65: packed passes beside TRL, by task, learning
+    python experiments/run.py packspeed packlong packtasks packlearn  # issue 65: packed passes, beside TRL
 
 1. kl: the KL penalty against over-optimisation (Gao et al. 2022). beta 0 against the default 0.05,
    200 updates each: proxy score (the reward model), gold, and sqrt(KL to the initial policy).
@@ -64,8 +64,9 @@
    RL (rgym's recipe, evaluated every 3 updates), seed 1, whose final policy is the teacher; then the untrained
    student distilled from it by the reward form and by the loss form, 3 seeds each, at RL's batch and learning rate,
    9 updates, with no task score in training (`held_out_score`): held-out pass@1 and pass@4 against updates.
-33-35. issue 65, packed passes (docs/performance.md): packspeed: trlspeed's arms packed (the default) and with
-   --no-pack beside TRL, at beta 0.04 and 0, the critic's arm too, two rounds; packtasks: the padding share and
+33-36. issue 65, packed passes (docs/performance.md): packspeed: trlspeed's arms packed (the default) and with
+   --no-pack beside TRL, at beta 0.04 and 0, the critic's arm too, two rounds; packlong: the same at beta 0.04 on
+   basic_arithmetic at a 128-token limit (longer, more varied responses); packtasks: the padding share and
    seconds an update by task (toy, guess, basic_arithmetic at a 128-token limit);
    packlearn: the toy world's gold and the chain world's held-out accuracy, packed and not, 3 seeds each.
 Each run writes runs/exp_<name>/metrics.jsonl; each experiment writes experiments/<name>.png and
@@ -1205,14 +1206,15 @@ def trl_learning_summary(key, seeds):
 OLD_PATH = ("--old-logprobs", "recompute", "--unread-reference", "--no-fused-adamw")
 
 
-def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None, with_floor=True):
+def trl_speed(key="trl_speed52", updates=6, rounds=2, arms=None, with_floor=True, task="gcd", response_length=None):
     """Issues 42 and 52, speed and memory at equal work: one process at a time on the whole machine, alternating,
     without gradient checkpointing on either side. TRL's settings (beta 0.04, 2 minibatches) and TRL's default beta 0
     (neither loads a reference): ppo.py's new defaults, with --old-logprobs sampler, the path before issue 52 by flags,
     and --vllm; TRL's GRPOTrainer; the critic's arm (GAE) new and old; then the floor (bench.py's textbook model
     work) at TRL's settings. Seconds (wall and CPU) per update, median of updates 2..N pooled over rounds, peak RSS,
     and the phases."""
-    trl_grpo, a = trl_task(updates, 1, eval_size=128)
+    trl_grpo, a = trl_task(updates, 1, eval_size=128, task=task)
+    a.response_length = response_length or a.response_length
     b0 = copy.copy(a)
     b0.kl_coef = 0.0
     every = {  # arm: (trainer, settings, extra flags)
@@ -1744,6 +1746,13 @@ def pack_speed():
     return trl_speed("trl_speed65", updates=5, arms=PACK_ARMS, with_floor=False)
 
 
+def pack_long():
+    """Issue 65 on longer, more varied responses: basic_arithmetic at a 128-token limit, packspeed's GRPO arms at
+    TRL's settings (beta 0.04) beside TRL, alternating, two rounds."""
+    return trl_speed("trl_speed65_long", updates=5, arms=("ppo_grpo", "ppo_grpo_nopack", "trl_grpo"),
+                     with_floor=False, task="basic_arithmetic", response_length=128)
+
+
 def pack_tasks(updates=4):
     """Issue 65, docs/performance.md's table by task: the padding share and seconds an update, packed and with
     --no-pack, one process at a time: the toy world and the guess world at their defaults, and basic_arithmetic at
@@ -1804,7 +1813,8 @@ if __name__ == "__main__":
                      ("critic", critic_runs), ("criticquick", critic_quick), ("criticside", critic_side),
                      ("asyncspeed", async_speed), ("asynclearn", async_learning), ("ckpt", checkpoint_memory),
                      ("distill", distill_runs), ("distilltrl", distill_trl), ("tools", tool_runs),
-                     ("packspeed", pack_speed), ("packtasks", pack_tasks), ("packlearn", pack_learning)):
+                     ("packspeed", pack_speed), ("packlong", pack_long), ("packtasks", pack_tasks),
+                     ("packlearn", pack_learning)):
         if name in chosen:
             result = fn()
             results = json.load(open(path)) if os.path.exists(path) else {}  # (read now: another may have written)

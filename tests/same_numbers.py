@@ -4,6 +4,7 @@
     python tests/same_numbers.py --ref HEAD~3 --only grpo micro
     python tests/same_numbers.py --ref HEAD --ignore ppo/val/clipfrac_avg   # a change meant to move one metric
     python tests/same_numbers.py --ref HEAD --tol 1e-6   # a change of rounding only (e.g. another matmul shape)
+    python tests/same_numbers.py --ref 2d69f16 --extra=--no-pack   # a new default turned off: the old path exactly
 
 For changes that must not move a number (a restructure, a rename, a tidy-up). Each flag set below
 runs twice (on the toy world but for `chain`): once with ppo.py, gae.py and the worlds as REF has them (read with
@@ -95,6 +96,7 @@ def main():
     parser.add_argument("--only", nargs="*", default=list(FLAG_SETS), help="flag sets to run")
     parser.add_argument("--ignore", nargs="*", default=[], help="metric keys a change is meant to move (or add)")
     parser.add_argument("--tol", type=float, default=0.0, help="floats may differ by tol x max(1, |value|)")
+    parser.add_argument("--extra", default="", help="flags for the working tree's runs alone (e.g. a new default off)")
     opts = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="same_numbers_")
     for name in ("ppo.py", "gae.py", "adapters.py", "runfiles.py", "asyncsampler.py", "toy.py", "chain.py", "guess.py"):
@@ -107,6 +109,7 @@ def main():
     for name in opts.only:
         flags, ranks = FLAG_SETS[name], 2 if name == "two_ranks" else 1
         ref_flags, new_flags = flags if isinstance(flags, tuple) else (flags, flags)
+        new_flags = [*new_flags, *opts.extra.split()]
         t = time.time()
         ref_dir = launch(scratch, f"same_ref_{name}", ref_flags, ranks)
         new_dir = launch(ROOT, f"same_new_{name}", new_flags, ranks)
