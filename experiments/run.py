@@ -1753,7 +1753,7 @@ def pack_long():
                      with_floor=False, task="basic_arithmetic", response_length=128)
 
 
-def pack_tasks(updates=4):
+def pack_tasks(updates=4, arms=("pack", "nopack")):
     """Issue 65, docs/performance.md's table by task: the padding share and seconds an update, packed and with
     --no-pack, one process at a time: the toy world and the guess world at their defaults, and basic_arithmetic at
     trlspeed's settings but a 128-token limit (SmolLM2: longer, more varied responses); gcd is packspeed's. Medians
@@ -1765,7 +1765,7 @@ def pack_tasks(updates=4):
              "guess": ["--model", "guess", "--total-episodes", str(64 * updates)],
              "basic_arithmetic_128": ["--model", b.model, *trl_grpo.ppo_flags(b)]}
     for task, flags in tasks.items():
-        for arm, extra in (("pack", []), ("nopack", ["--no-pack"])):
+        for arm, extra in [x for x in (("pack", []), ("nopack", ["--no-pack"])) if x[0] in arms]:
             rows, _ = train(f"exp_pack_{task}_{arm}", *flags, *extra)
             rows = rows[1:]
             out[f"{task} {arm}"] = {"s": float(np.median([r["time/rollout_s"] + r["time/update_s"] for r in rows])),
